@@ -1,0 +1,14 @@
+"""dcp-compile: decode context parallelism as a torch.compile backend.
+
+    group = dcp.init_group()
+    dcp.prepare(target, group, role="target", max_batch=B, max_seq_len=S)
+    target_c = torch.compile(target, backend=dcp.backend(group, role="target"), fullgraph=True)
+"""
+
+from dcp_compile import ops
+from dcp_compile.backend import Backend, backend
+from dcp_compile.layout import KVLayout
+from dcp_compile.runtime import DCPGroup, Prepared, init_group, prepare
+
+__all__ = ["Backend", "DCPGroup", "KVLayout", "Prepared", "backend", "init_group", "ops", "prepare"]
+__version__ = "0.1.0"

@@ -1,0 +1,156 @@
+"""The torch.compile backend: run the pass pipeline for a fixed role, then lower.
+
+``backend(group, role)`` returns a callable for ``torch.compile(..., backend=...)``.
+The role and the group are bound when the backend is made, so a compiled graph is
+sharded (target) or whole (draft) for its whole life; nothing is switched at run time.
+
+- target, group of N > 1: find -> shard_kv_writes -> shard_attention -> check_target;
+- draft: find -> check_draft (no rewrite, no collective);
+- target, group of size 1: no rewrite at all, so the result is exactly what plain
+  ``torch.compile`` of the unmodified model gives (the off arm).
+
+Then Inductor (``compile_fx``: Triton on GPU, C++ on CPU), or ``aot_eager`` for fast
+CPU tests of the passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule
+
+from dcp_compile.passes import draft_passes, find, run_passes, target_passes
+from dcp_compile.passes.find import Plan
+from dcp_compile.passes.pipeline import PassTiming
+from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for
+from dcp_compile.runtime.group import DCPGroup
+
+LOWERINGS = ("inductor", "aot_eager")
+
+
+@dataclass
+class CompiledGraph:
+    """One graph this backend compiled: the graph as lowered, and what the passes saw."""
+
+    graph_module: GraphModule
+    plan: Plan
+    timings: list[PassTiming]
+
+
+@dataclass
+class Backend:
+    """A torch.compile backend bound to one DCP group and one role."""
+
+    group: DCPGroup
+    role: str = "target"
+    lowering: str = "inductor"
+    """``"inductor"`` (the real path) or ``"aot_eager"`` (no codegen; fast CPU tests)."""
+    check_positions: bool = True
+    """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
+    device-to-host sync per call on GPU."""
+    dump_dir: Path | None = None
+    """Write each graph's code before and after every pass here."""
+    compiled: list[CompiledGraph] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+
+    def _records(self, plan: Plan, example_inputs: Sequence) -> list[CacheRecord]:
+        records = []
+        for cache in plan.caches:
+            record = record_for(example_inputs[cache.input_index])
+            if record is None:
+                raise ValueError(
+                    f"{self.role} graph writes KV cache {cache.name}, which dcp.prepare has not seen: call "
+                    f"dcp.prepare(model, group, role={self.role!r}, max_batch=..., max_seq_len=...) before "
+                    f"torch.compile"
+                )
+            if record.role != self.role:
+                raise ValueError(
+                    f"KV cache {record.name} was prepared with role={record.role!r} but is compiled with "
+                    f"dcp.backend(group, role={self.role!r}); use the same role for prepare and backend"
+                )
+            expected_size = self.group.size if self.role == "target" else 1
+            if record.layout.size != expected_size:
+                raise ValueError(
+                    f"KV cache {record.name} was prepared for a group of {record.layout.size} ranks, but this "
+                    f"backend's group has {self.group.size}; prepare and compile with the same group"
+                )
+            records.append(record)
+        return records
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence, **_):
+        plan = find(gm)
+        records = self._records(plan, example_inputs)
+        if self.role == "target" and not plan.sites:
+            raise ValueError(
+                "the target graph holds no attention over a KV cache: nothing to shard. Compile the model "
+                "dcp.prepare was called on, with caches written and read by F.scaled_dot_product_attention"
+            )
+        if self.role == "target" and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        ):
+            raise ValueError(
+                "dcp-compile compiles inference graphs; call the compiled target under torch.no_grad() or "
+                "torch.inference_mode()"
+            )
+        tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
+        if self.role == "draft":
+            passes = draft_passes()
+        elif self.group.size > 1:
+            passes = target_passes(records[0].layout, self.group.group_name)
+        else:
+            passes = []
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        gm, timings = run_passes(gm, plan, passes, dump_dir=self.dump_dir, tag=tag)
+        self.compiled.append(CompiledGraph(gm, plan, timings))
+        compiled = self._lower(gm, example_inputs)
+        return self._guard_positions(compiled, plan, records)
+
+    def _lower(self, gm: GraphModule, example_inputs: Sequence):
+        if self.lowering == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def _guard_positions(self, compiled, plan: Plan, records: list[CacheRecord]):
+        if not self.check_positions or not plan.position_inputs or not records:
+            return compiled
+        max_seq_len = records[0].layout.max_seq_len
+        indices = plan.position_inputs
+
+        def check(args) -> None:
+            for i in indices:
+                positions = args[i]
+                if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_seq_len):
+                    raise ValueError(
+                        f"positions must lie in [0, max_seq_len={max_seq_len}), got values in "
+                        f"[{int(positions.min())}, {int(positions.max())}]: the KV cache has no slot for them. "
+                        f"Stop the sequence before it reaches max_seq_len, or prepare with a larger max_seq_len"
+                    )
+
+        def run(*args):
+            check(args)
+            return compiled(*args)
+
+        return run
+
+
+def backend(
+    group: DCPGroup,
+    role: str = "target",
+    *,
+    lowering: str = "inductor",
+    check_positions: bool = True,
+    dump_dir: str | Path | None = None,
+) -> Backend:
+    """A torch.compile backend for ``role`` (``"target"`` or ``"draft"``) on ``group``."""
+    return Backend(group, role, lowering, check_positions, Path(dump_dir) if dump_dir is not None else None)

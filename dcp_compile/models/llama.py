@@ -1,0 +1,183 @@
+"""A reference Llama-family target: RMSNorm, RoPE, GQA, SwiGLU, static KV buffers.
+
+Written the way serving code is written (gpt-fast style), so it is what the passes
+must recognise: each layer owns ``k_cache``/``v_cache`` buffers ``[B, H_kv, S, D]``,
+stores the new tokens at their global positions, and attends with
+``F.scaled_dot_product_attention`` over the whole cache with a positions mask.
+
+Positions are per sequence (``positions [B, T]``), so one batch can hold sequences of
+different lengths.  A prefill of prompts of different lengths is right-padded: padded
+tokens write garbage at positions past their prompt, which the causal mask hides and
+the next real token at that position overwrites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GQA_FORMS = ("enable_gqa", "repeat_interleave", "expand")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    """Token vocabulary (256: bytes)."""
+    dim: int = 64
+    """Model width."""
+    n_layers: int = 2
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 2
+    """Key/value heads; ``n_heads`` must be a multiple."""
+    intermediate_size: int = 128
+    """SwiGLU hidden width."""
+    max_seq_len: int = 64
+    """Cache capacity ``S`` per sequence."""
+    max_batch: int = 3
+    """Cache rows."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    gqa: str = "enable_gqa"
+    """How attention maps query heads to KV heads: one of ``GQA_FORMS``."""
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads or self.dim % self.n_heads:
+            raise ValueError(
+                f"need n_heads % n_kv_heads == 0 and dim % n_heads == 0, got dim={self.dim}, "
+                f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
+            )
+        if self.gqa not in GQA_FORMS:
+            raise ValueError(f"gqa must be one of {GQA_FORMS}, got {self.gqa!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[S, D/2]`` for every position the cache can hold."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BTHD: torch.Tensor, cos_BTF: torch.Tensor, sin_BTF: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BTHD.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x_BTHD)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        cache_shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, hd)
+        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+
+    def forward(self, x, positions, cos, sin):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        rows = torch.arange(B, device=x.device)[:, None]
+        self.k_cache[rows, :, positions] = k  # value [B, T, H_kv, D]: advanced indices go first
+        self.v_cache[rows, :, positions] = v
+        slots = torch.arange(self.k_cache.shape[2], device=x.device)
+        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        q = q.transpose(1, 2)
+        keys, values = self.k_cache, self.v_cache
+        group = cfg.n_heads // cfg.n_kv_heads
+        if cfg.gqa == "enable_gqa":
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            if cfg.gqa == "repeat_interleave":
+                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            else:  # expand + reshape, as Hugging Face's repeat_kv does
+                b, h, s, d = keys.shape
+                keys = keys[:, :, None].expand(b, h, group, s, d).reshape(b, h * group, s, d)
+                values = values[:, :, None].expand(b, h, group, s, d).reshape(b, h * group, s, d)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, dtype)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, positions, cos, sin):
+        h = x + self.attention(self.attention_norm(x), positions, cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.to(device=device, dtype=dtype)
+        self.rope_cos.data = self.rope_cos.float()
+        self.rope_sin.data = self.rope_sin.float()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin)
+        return self.output(self.norm(x)).float()
+
+
+def init_weights(model: nn.Module, seed: int, std: float = 0.08) -> nn.Module:
+    """Deterministic random weights, identical on every rank for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model

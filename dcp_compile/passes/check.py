@@ -1,0 +1,57 @@
+"""check: enforce the invariants the compiled graph must hold before lowering.
+
+Target (after shard_kv_writes + shard_attention):
+- exactly one merge and one collective per attention site found by ``find``;
+- each cache buffer is used only by its write and by the cascade's prefix read, so no
+  node reads a full-length KV tensor.
+
+Draft (no rewrite):
+- zero collectives in the graph;
+- every KV write still stores at the positions it stored before the passes ran.
+
+Never modifies the graph; raises ``AssertionError`` (a broken project invariant, not a
+user error) naming the offending node.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch.fx import GraphModule
+
+from dcp_compile.passes.find import Plan
+from dcp_compile.passes.fx_utils import where
+from dcp_compile.passes.kv_index import cache_BHSD, positions_node
+from dcp_compile.passes.shard_attention import ALL_GATHER, merge_gathered
+
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def is_collective(node) -> bool:
+    return node.op == "call_function" and any(ns in str(node.target) for ns in COLLECTIVE_NAMESPACES)
+
+
+def count_targets(gm: GraphModule) -> Counter:
+    return Counter(node.target for node in gm.graph.nodes if node.op == "call_function")
+
+
+def check_target(gm: GraphModule, plan: Plan) -> GraphModule:
+    counts = count_targets(gm)
+    sites = len(plan.sites)
+    assert counts[merge_gathered] == sites, f"expected {sites} merges, found {counts[merge_gathered]}"
+    assert counts[ALL_GATHER] == sites, f"expected {sites} all-gathers, found {counts[ALL_GATHER]}"
+    for write in plan.writes:
+        for user in write.cache.node.users:
+            ok = user is write.node or (user.target is cache_BHSD and user.op == "call_function")
+            assert ok, f"KV cache {write.cache.name} is still read in full by {where(user)}"
+    return gm
+
+
+def check_draft(gm: GraphModule, plan: Plan) -> GraphModule:
+    collectives = [n for n in gm.graph.nodes if is_collective(n)]
+    assert not collectives, f"draft graph holds collectives: {[where(n) for n in collectives]}"
+    for write in plan.writes:
+        assert positions_node(write.node, write.index) is write.positions, (
+            f"draft KV write {where(write.node)} no longer stores at its own positions"
+        )
+    return gm

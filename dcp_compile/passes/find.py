@@ -1,0 +1,316 @@
+"""find: locate the KV caches, their writes, and the attention calls that read them.
+
+Precondition: ``gm`` is a Dynamo FX graph (torch-level ops) whose placeholders carry
+``example_value`` fake tensors and whose nodes carry ``stack_trace``.
+
+Result: a ``Plan``: the typed facts every later pass consumes, so nothing re-discovers
+what this pass found.
+- A *KV cache* is a graph input written in place along a sequence axis by
+  ``index_copy_``, ``index_put_`` or ``__setitem__`` with a tensor of positions.
+- An *attention site* is an ``F.scaled_dot_product_attention`` call whose keys and
+  values are caches, read directly or through a GQA replication (``enable_gqa``,
+  ``repeat_interleave`` or ``expand`` + ``reshape``) and layout-only views.
+
+Invariant: every read of a cache is part of an attention site or a write.  Any other
+read (a matmul over the cache, a view this pass does not understand, flex_attention)
+raises ``GraphPatternError`` naming the node and the user's source line: a target
+attention is never silently left unsharded.  Attention over tensors that do not come
+from a cache is not a site and is left alone.
+
+This pass never modifies the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+from torch.fx import GraphModule, Node
+
+from dcp_compile.passes.fx_utils import (
+    GraphPatternError,
+    arg,
+    fake_value,
+    is_flex_attention,
+    is_sdpa,
+    op_name,
+    placeholder_name,
+    shape_of,
+    where,
+)
+from dcp_compile.passes.kv_index import WRITE_KINDS, WriteIndex, analyse_write, positions_node
+
+
+@dataclass(frozen=True)
+class KVCache:
+    node: Node
+    input_index: int
+    """Position among the graph's placeholders (= index into the backend's example_inputs)."""
+    name: str
+    seq_dim: int
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    node: Node
+    cache: KVCache
+    index: WriteIndex
+    positions: Node
+    value: Node
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    node: Node
+    query: Node
+    k_write: KVWrite
+    v_write: KVWrite
+    scale: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    caches: tuple[KVCache, ...]
+    writes: tuple[KVWrite, ...]
+    sites: tuple[AttentionSite, ...]
+    mask_inputs: tuple[int, ...]
+    """Placeholder indices of non-cache inputs that shape an attention mask over a cache
+    (their last axis runs along the cache's sequence axis)."""
+    position_inputs: tuple[int, ...]
+    """Placeholder indices whose values are the global positions written this step."""
+
+    def cache_for(self, node: Node) -> KVCache:
+        return next(c for c in self.caches if c.node is node)
+
+
+_LAYOUT_ONLY = frozenset(
+    {"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type"}
+)
+_INDEX_VIEWS = frozenset({"getitem", "view", "reshape", "unsqueeze", "squeeze", "to", "long", "int", "expand", "contiguous", "flatten"})
+
+
+def _placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _root_input(node, ops=_INDEX_VIEWS) -> Node | None:
+    """The placeholder ``node`` is a view of, following only single-input ``ops``."""
+    while isinstance(node, Node):
+        if node.op == "placeholder":
+            return node
+        if op_name(node) not in ops or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % ndim
+
+
+def _replay_read(chain: list[Node], cache: KVCache) -> int:
+    """Follow the ops from the cache to an attention argument, tracking what each axis
+    holds; return the head replication factor.  Raises if the result is not a
+    ``[B, H*r, S, D]`` read where query head ``h`` sees cache head ``h // r``."""
+    tags = ["B", "H", "H", "D"]
+    tags[cache.seq_dim] = "S"
+    repeat = 1
+    for node in chain:
+        name = op_name(node)
+        shape_in = shape_of(node.args[0])
+        shape_out = shape_of(node)
+        fail = GraphPatternError(
+            f"target attention reads KV cache {cache.name} through {name!r} at {where(node)}, a view the "
+            f"passes do not understand (expected layout-only views and a GQA head replication)"
+        )
+        if name in _LAYOUT_ONLY:
+            if shape_in != shape_out:
+                raise fail
+        elif name in ("transpose", "swapaxes"):
+            a, b = (_dim(int(d), len(tags)) for d in node.args[1:3])
+            tags[a], tags[b] = tags[b], tags[a]
+        elif name == "permute":
+            dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
+            tags = [tags[_dim(int(d), len(tags))] for d in dims]
+        elif name == "repeat_interleave":
+            repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+            if not isinstance(repeats, int) or dim is None or tags[_dim(int(dim), len(tags))] != "H":
+                raise fail
+            repeat *= repeats
+        elif name == "unsqueeze":
+            tags.insert(_dim(int(node.args[1]), len(tags) + 1), "1")
+        elif name == "getitem":
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if Ellipsis in index:
+                at = index.index(Ellipsis)
+                explicit = sum(1 for e in index if e is not None and e is not Ellipsis)
+                index = index[:at] + (slice(None),) * (len(tags) - explicit) + index[at + 1 :]
+            new_tags, src = [], iter(tags)
+            for entry in index:
+                if entry is None:
+                    new_tags.append("1")
+                elif entry == slice(None):
+                    new_tags.append(next(src))
+                else:
+                    raise fail
+            tags = new_tags + list(src)
+        elif name == "expand":
+            for d, (old, new) in enumerate(zip(shape_in, shape_out)):
+                if old != new:
+                    if tags[d] != "1":
+                        raise fail
+                    tags[d] = "G"
+        elif name in ("reshape", "view", "flatten"):
+            merged = next(
+                (i for i in range(len(tags) - 1) if tags[i] == "H" and tags[i + 1] == "G"),
+                None,
+            )
+            if shape_out == shape_in:
+                pass
+            elif merged is not None and shape_out == (
+                shape_in[:merged] + (shape_in[merged] * shape_in[merged + 1],) + shape_in[merged + 2 :]
+            ):
+                repeat *= shape_in[merged + 1]
+                tags[merged : merged + 2] = ["H"]
+            else:
+                raise fail
+        else:
+            raise fail
+        if len(tags) != len(shape_out):
+            raise fail
+    if tags != ["B", "H", "S", "D"]:
+        raise GraphPatternError(
+            f"target attention reads KV cache {cache.name} as axes {tags} (ending at {where(chain[-1]) if chain else cache.name}); "
+            f"expected [batch, heads, seq, head_dim] with heads replicated by repeat_interleave or expand"
+        )
+    return repeat
+
+
+def _read_chain(node: Node, caches: dict[Node, KVCache]) -> tuple[KVCache, list[Node]] | None:
+    """The single-input op chain from a cache to ``node``; None if it is not one."""
+    chain = []
+    while node not in caches:
+        if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], Node):
+            return None
+        if len(node.all_input_nodes) != 1:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return caches[node], chain[::-1]
+
+
+def find(gm: GraphModule) -> Plan:
+    """Analyse ``gm``; see the module docstring for what is found and what raises."""
+    inputs = _placeholders(gm)
+    input_index = {node: i for i, node in enumerate(inputs)}
+
+    writes_by_cache: dict[Node, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if op_name(node) not in WRITE_KINDS or not node.args or not isinstance(node.args[0], Node):
+            continue
+        target = node.args[0]
+        if target.op == "placeholder":
+            writes_by_cache.setdefault(target, []).append(node)
+        elif _root_input(target) is not None and isinstance(fake_value(node.args[0]), torch.Tensor):
+            raise GraphPatternError(
+                f"{op_name(node)} at {where(node)} writes into a view of graph input "
+                f"{placeholder_name(_root_input(target))}; expected KV writes into the cache buffer itself"
+            )
+
+    caches: dict[Node, KVCache] = {}
+    writes: dict[Node, KVWrite] = {}
+    for cache_node, write_nodes in writes_by_cache.items():
+        if len(write_nodes) != 1:
+            lines = "; ".join(where(w) for w in write_nodes)
+            raise GraphPatternError(
+                f"KV cache {placeholder_name(cache_node)} is written {len(write_nodes)} times in one graph ({lines}); "
+                f"expected one write per cache per forward"
+            )
+        write_node = write_nodes[0]
+        index = analyse_write(write_node, cache_node)
+        cache = KVCache(cache_node, input_index[cache_node], placeholder_name(cache_node), index.seq_dim)
+        caches[cache_node] = cache
+        value = arg(write_node, 3, "source") if index.kind == "index_copy_" else write_node.args[2]
+        writes[cache_node] = KVWrite(write_node, cache, index, positions_node(write_node, index), value)
+
+    graph = nx.DiGraph()
+    for node in gm.graph.nodes:
+        graph.add_node(node)
+        for source in node.all_input_nodes:
+            graph.add_edge(source, node)
+    from_cache = set().union(*(nx.descendants(graph, c) for c in caches)) if caches else set()
+
+    sites: list[AttentionSite] = []
+    explained: set[Node] = {w.node for w in writes.values()}
+    for node in gm.graph.nodes:
+        if is_flex_attention(node) and node in from_cache:
+            raise GraphPatternError(
+                f"flex_attention over a KV cache at {where(node)} is not supported yet; "
+                f"use F.scaled_dot_product_attention for attention over the cache"
+            )
+        if not is_sdpa(node):
+            continue
+        q, k, v = node.args[:3]
+        if k not in from_cache and v not in from_cache and k not in caches and v not in caches:
+            continue  # attention over in-graph tensors: not a cache read, left alone
+        reads = []
+        for operand in (k, v):
+            found = _read_chain(operand, caches)
+            if found is None:
+                raise GraphPatternError(
+                    f"target attention at {where(node)} reads a KV cache through ops that mix it with other "
+                    f"tensors (its key/value argument {operand.name} is not a view of one cache); the cascade "
+                    f"needs SDPA over the cache buffer itself"
+                )
+            cache, chain = found
+            repeat = _replay_read(chain, cache)
+            explained.update(chain)
+            reads.append((cache, repeat))
+        (k_cache, _), (v_cache, _) = reads
+        if k_cache.node is v_cache.node:
+            raise GraphPatternError(f"attention at {where(node)} reads one cache ({k_cache.name}) as both keys and values")
+        k_write, v_write = writes[k_cache.node], writes[v_cache.node]
+        if k_write.positions is not v_write.positions:
+            raise GraphPatternError(
+                f"attention at {where(node)} reads caches written at different position tensors "
+                f"({where(k_write.node)} and {where(v_write.node)}); expected one positions tensor per layer"
+            )
+        if arg(node, 4, "dropout_p", 0.0):
+            raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
+        head_dim = shape_of(q)[-1]
+        scale = arg(node, 6, "scale", None)
+        sites.append(AttentionSite(node, q, k_write, v_write, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)))
+        explained.add(node)
+
+    for source in list(caches) + [n for n in explained if n not in caches]:
+        if source in writes or op_name(source) in WRITE_KINDS or is_sdpa(source):
+            continue
+        for user in source.users:
+            if user not in explained:
+                raise GraphPatternError(
+                    f"a KV cache is read by {op_name(user) or user.op!r} at {where(user)}, which the "
+                    f"passes cannot shard; read caches only through F.scaled_dot_product_attention"
+                )
+
+    mask_inputs = set()
+    for site in sites:
+        mask = arg(site.node, 3, "attn_mask", None)
+        if not isinstance(mask, Node):
+            continue
+        seq_len = shape_of(site.k_write.cache.node)[site.k_write.cache.seq_dim]
+        for source in nx.ancestors(graph, mask) | {mask}:
+            if source.op == "placeholder" and source not in caches:
+                value = fake_value(source)
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] == seq_len:
+                    mask_inputs.add(input_index[source])
+
+    position_inputs = {input_index[r] for w in writes.values() if (r := _root_input(w.positions)) is not None}
+    return Plan(
+        caches=tuple(caches.values()),
+        writes=tuple(writes.values()),
+        sites=tuple(sites),
+        mask_inputs=tuple(sorted(mask_inputs)),
+        position_inputs=tuple(sorted(position_inputs)),
+    )

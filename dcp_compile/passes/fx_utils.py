@@ -1,0 +1,105 @@
+"""Small helpers shared by the passes: naming ops, locating nodes in user code."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch.fx import GraphModule, Node
+
+_SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+
+
+class GraphPatternError(ValueError):
+    """A graph the passes cannot handle; the message names the node and the user's line."""
+
+
+def source_line(node: Node) -> str:
+    """The innermost user frame that produced ``node``, as ``file:line: code``."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return f"<no source recorded for FX node {node.name}>"
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            where = lines[i].replace("File ", "").replace('"', "").replace(", line ", ":").split(",")[0]
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{where}: {code}"
+    return lines[-1]
+
+
+def where(node: Node) -> str:
+    """``node`` plus its source line, for error messages."""
+    return f"FX node '{node.name}' at {source_line(node)}"
+
+
+def op_name(node: Node) -> str | None:
+    """A method-style name for call_method and call_function nodes (``"transpose"`` for both
+    ``x.transpose(...)`` and ``torch.transpose(x, ...)``); ``None`` for other nodes."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return "getitem"
+    if node.target is operator.setitem:
+        return "setitem"
+    if node.target in _SDPA_TARGETS:
+        return "scaled_dot_product_attention"
+    # Dynamo inlines user functions, so what remains as call_function targets are torch
+    # functions, builtins and op overloads; their names are unambiguous here.
+    return getattr(node.target, "__name__", None)
+
+
+def is_sdpa(node: Node) -> bool:
+    return node.op == "call_function" and node.target in _SDPA_TARGETS
+
+
+def is_flex_attention(node: Node) -> bool:
+    return node.op == "call_function" and "flex_attention" in str(node.target)
+
+
+def fake_value(node: Node):
+    """The fake tensor (or value) Dynamo recorded for ``node``."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def shape_of(node: Node) -> tuple[int, ...]:
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise GraphPatternError(f"expected a tensor at {where(node)}, found {type(value).__name__}")
+    return tuple(int(s) for s in value.shape)
+
+
+def arg(node: Node, index: int, name: str, default=None):
+    """Positional-or-keyword argument of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def placeholder_name(node: Node) -> str:
+    """A readable source for a graph input, e.g. ``L['self'].layers[0].attn.k_cache``."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None and hasattr(source, "name") else node.name
+
+
+def erase_dead_pure_nodes(gm: GraphModule, candidates: Iterable[Node]) -> None:
+    """Erase nodes among ``candidates`` (and their pure producers) that lost all users.
+
+    FX's own dead-code elimination treats in-place methods such as ``index_copy_`` as
+    pure and would delete KV writes, so the passes only ever erase what they orphaned.
+    """
+    stack = list(candidates)
+    while stack:
+        node = stack.pop()
+        if node.graph is not gm.graph or node.users or node.op in ("placeholder", "output"):
+            continue
+        name = op_name(node) or ""
+        if name == "setitem" or name.endswith("_") or node.op not in ("call_function", "call_method"):
+            continue
+        inputs = list(node.all_input_nodes)
+        gm.graph.erase_node(node)
+        stack.extend(inputs)

@@ -1,0 +1,255 @@
+"""How a KV write addresses its cache, reduced to static facts, and the helpers that
+turn the written values back into the canonical forms the cascade needs.
+
+A KV cache is a 4-D buffer with the batch first, the head size last, and the heads and
+the sequence in the middle (``[B, H, S, D]`` as in gpt-fast and Hugging Face, or
+``[B, S, H, D]``).  A write stores the new tokens' keys or values at their global
+positions, through ``index_copy_(seq_dim, pos, src)``, ``cache[..., pos, ...] = src`` or
+``index_put_((batch_idx, pos), src)``, optionally with a ``torch.arange`` batch index so
+that every sequence has its own positions.
+
+``analyse_write`` applies numpy's advanced-indexing rules to the write's static shapes
+to learn which axis of the written value is the batch, the heads, the new tokens and
+the head size.  ``window_kv`` and ``window_positions`` then rebuild ``[B, H, T, D]``
+and ``[B, T]`` from the very tensors the write stored, so the window attention sees
+exactly what an unsharded cache would have held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from dcp_compile import layout as kvlayout
+from dcp_compile.passes.fx_utils import GraphPatternError, arg, op_name, shape_of, where
+
+WRITE_KINDS = ("index_copy_", "index_put_", "setitem")
+
+
+@dataclass(frozen=True)
+class WriteIndex:
+    """Static description of one KV write."""
+
+    kind: str
+    """``"index_copy_"``, ``"index_put_"`` or ``"setitem"``."""
+    seq_dim: int
+    """Cache axis holding token positions."""
+    position_arg: tuple[int, ...]
+    """Where the positions tensor sits in ``node.args``: ``(2,)`` for index_copy_, else
+    ``(1, i)`` for entry ``i`` of the index tuple."""
+    value_shape: tuple[int, ...]
+    """Shape the written value is broadcast to."""
+    value_tags: tuple[str, ...]
+    """Per value axis: ``B`` batch, ``H`` heads, ``T`` new tokens, ``D`` head size, ``1`` unit."""
+    position_shape: tuple[int, ...]
+    """Broadcast shape of the index tensors."""
+    position_tags: tuple[str, ...]
+    """Per broadcast axis: ``B``, ``T`` or ``1``."""
+    batch: int
+    cache_dtype: torch.dtype
+
+
+def _full_slice(entry) -> bool:
+    return isinstance(entry, slice) and entry == slice(None, None, None)
+
+
+def is_arange(node, length: int) -> bool:
+    """Whether ``node`` is ``torch.arange(length)`` up to unit axes and dtype casts."""
+    while isinstance(node, Node):
+        name = op_name(node)
+        if name == "arange":
+            bounds = list(node.args)
+            if len(bounds) == 1:
+                bounds = [0, bounds[0]]
+            start, end, step = (bounds + [None, None, None])[:3]
+            start = node.kwargs.get("start", 0 if start is None else start)
+            end = node.kwargs.get("end", end)
+            step = node.kwargs.get("step", 1 if step is None else step)
+            return start == 0 and end == length and step == 1
+        if name == "getitem":
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if not all(_full_slice(e) or e is None or e is Ellipsis for e in index):
+                return False
+        elif name not in ("view", "reshape", "unsqueeze", "to", "long", "int", "expand", "contiguous"):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _write_entries(node: Node, ndim: int) -> list:
+    """Per cache axis, the tensor index node or ``None`` for a full slice."""
+    kind = op_name(node)
+    raw = node.args[1]
+    if kind == "index_put_":
+        entries = list(raw)
+        if len(node.args) > 3 and node.args[3] or node.kwargs.get("accumulate", False):
+            raise GraphPatternError(f"KV write with accumulate=True at {where(node)} is not a cache store")
+    else:
+        entries = list(raw) if isinstance(raw, (tuple, list)) else [raw]
+        if Ellipsis in entries:
+            at = entries.index(Ellipsis)
+            entries[at : at + 1] = [slice(None)] * (ndim - len(entries) + 1)
+    entries += [slice(None)] * (ndim - len(entries))
+    out = []
+    for entry in entries:
+        if isinstance(entry, Node) and isinstance(entry.meta.get("example_value"), torch.Tensor):
+            out.append(entry)
+        elif _full_slice(entry):
+            out.append(None)
+        else:
+            raise GraphPatternError(
+                f"KV write at {where(node)} indexes the cache with {entry!r}; expected full slices "
+                f"and integer tensors (positions, and optionally torch.arange over the batch)"
+            )
+    return out
+
+
+def analyse_write(node: Node, cache: Node) -> WriteIndex:
+    """Describe the KV write ``node`` into the cache placeholder ``cache``."""
+    kind = op_name(node)
+    cache_shape = shape_of(cache)
+    if len(cache_shape) != 4:
+        raise GraphPatternError(
+            f"KV cache {cache.name} written at {where(node)} has shape {cache_shape}; expected a 4-D "
+            f"[batch, heads, seq, head_dim] or [batch, seq, heads, head_dim] buffer"
+        )
+    batch = cache_shape[0]
+    cache_dtype = cache.meta["example_value"].dtype
+    if kind == "index_copy_":
+        seq_dim = int(arg(node, 1, "dim")) % 4
+        if seq_dim not in (1, 2):
+            raise GraphPatternError(f"index_copy_ at {where(node)} writes along dim {seq_dim}; expected dim 1 or 2")
+        positions = arg(node, 2, "index")
+        tokens = shape_of(positions)[0]
+        tags = ["B", "H", "H", "D"]
+        tags[seq_dim] = "T"
+        value_shape = list(cache_shape)
+        value_shape[seq_dim] = tokens
+        return WriteIndex(kind, seq_dim, (2,), tuple(value_shape), tuple(tags), (tokens,), ("T",), batch, cache_dtype)
+
+    entries = _write_entries(node, 4)
+    if entries[3] is not None:
+        raise GraphPatternError(f"KV write at {where(node)} indexes the head-size axis; expected a full slice there")
+    indexed = [d for d, e in enumerate(entries) if e is not None]
+    batch_indexed = entries[0] is not None
+    if batch_indexed and not is_arange(entries[0], batch):
+        raise GraphPatternError(
+            f"KV write at {where(node)} indexes the batch axis with {entries[0].name}; expected "
+            f"torch.arange({batch}) (every row writes its own sequence)"
+        )
+    seq_dims = [d for d in indexed if d != 0]
+    if len(seq_dims) != 1 or seq_dims[0] not in (1, 2):
+        raise GraphPatternError(
+            f"KV write at {where(node)} indexes cache axes {indexed}; expected one position index on "
+            f"axis 1 or 2, plus optionally torch.arange over the batch on axis 0"
+        )
+    seq_dim = seq_dims[0]
+    positions = entries[seq_dim]
+    index_shapes = {d: shape_of(entries[d]) for d in indexed}
+    bshape = tuple(torch.broadcast_shapes(*index_shapes.values()))
+
+    def varies(d: int, axis: int) -> bool:
+        shape = index_shapes[d]
+        k = axis - (len(bshape) - len(shape))
+        return k >= 0 and shape[k] > 1
+
+    position_tags = []
+    for axis in range(len(bshape)):
+        if batch_indexed and varies(0, axis):
+            position_tags.append("B")
+        elif varies(seq_dim, axis):
+            position_tags.append("T")
+        else:
+            position_tags.append("1")
+    if position_tags.count("B") > 1 or position_tags.count("T") > 1:
+        raise GraphPatternError(
+            f"KV write at {where(node)} uses index shapes {list(index_shapes.values())}; expected "
+            f"positions of shape [T] or [B, T] and a batch index broadcasting along one axis"
+        )
+    cache_tags = {0: "B", 3: "D", seq_dim: "S", 3 - seq_dim: "H"}
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        value_tags = [cache_tags[d] for d in range(indexed[0])] + position_tags
+        value_tags += [cache_tags[d] for d in range(indexed[-1] + 1, 4)]
+        value_shape = list(cache_shape[: indexed[0]]) + list(bshape) + list(cache_shape[indexed[-1] + 1 :])
+    else:
+        rest = [d for d in range(4) if d not in indexed]
+        value_tags = position_tags + [cache_tags[d] for d in rest]
+        value_shape = list(bshape) + [cache_shape[d] for d in rest]
+    slot = entries.index(positions)
+    return WriteIndex(
+        kind, seq_dim, (1, slot), tuple(value_shape), tuple(value_tags), bshape, tuple(position_tags), batch, cache_dtype
+    )
+
+
+def positions_node(write: Node, index: WriteIndex) -> Node:
+    if index.position_arg == (2,):
+        return arg(write, 2, "index")
+    return write.args[1][index.position_arg[1]] if isinstance(write.args[1], (tuple, list)) else write.args[1]
+
+
+def replace_positions(write: Node, index: WriteIndex, new_positions: Node) -> None:
+    """Point the write at ``new_positions`` instead of its global positions."""
+    args = list(write.args)
+    if index.position_arg == (2,):
+        if len(args) > 2:
+            args[2] = new_positions
+        else:
+            write.update_kwarg("index", new_positions)
+    else:
+        entries = args[1]
+        if isinstance(entries, (tuple, list)):
+            entries = list(entries)
+            entries[index.position_arg[1]] = new_positions
+            args[1] = tuple(entries) if isinstance(args[1], tuple) else entries
+        else:
+            args[1] = new_positions
+    write.args = tuple(args)
+
+
+def _canonical(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
+    """Broadcast ``x`` to ``shape``, drop unit axes and permute the tagged axes into ``order``."""
+    x = x.expand(shape)
+    keep = [i for i, t in enumerate(tags) if t != "1"]
+    x = x.reshape([shape[i] for i in keep])
+    kept = [tags[i] for i in keep]
+    if "T" not in kept:
+        x = x.unsqueeze(-1)
+        kept.append("T")
+    if "B" not in kept:
+        x = x.expand(batch, *x.shape)
+        kept.insert(0, "B")
+    return x.permute([kept.index(t) for t in order])
+
+
+def window_positions(positions: torch.Tensor, *, shape, tags, batch: int) -> torch.Tensor:
+    """Global positions of the new tokens, ``[B, T]``."""
+    return _canonical(positions, shape, tags, "BT", batch)
+
+
+def window_kv(value: torch.Tensor, *, shape, tags, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """The new tokens' keys or values as the cache stores them, ``[B, H, T, D]``."""
+    return _canonical(value.to(dtype), shape, tags, "BHTD", batch)
+
+
+def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
+    """View a cache buffer as ``[B, H, S, D]``."""
+    return cache if seq_dim == 2 else cache.transpose(1, 2)
+
+
+def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:
+    """Where this rank stores each global position: its owner slot, or the trash slot.
+
+    Positions outside ``[0, max_seq_len)`` also go to the trash slot, so a bad position
+    can never land in another token's slot (the backend reports it before the call).
+    """
+    trash = kvlayout.local_capacity(max_seq_len, size, interleave)
+    mine = (kvlayout.owner(positions, size, interleave) == rank) & (positions >= 0) & (positions < max_seq_len)
+    return torch.where(mine, kvlayout.local_slot(positions, size, interleave), trash)
+
+
+def prefix_lengths(positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int) -> torch.Tensor:
+    """Local slots holding global positions before each sequence's first new token, ``[B]``."""
+    start = positions_BT.amin(dim=1)
+    return kvlayout.local_length(start, rank, size, interleave)

@@ -1,0 +1,62 @@
+"""The pass runner: orders the passes for a role, logs and times each, and can dump
+the graph before and after every pass."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.fx import GraphModule
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.passes.check import check_draft, check_target
+from dcp_compile.passes.find import Plan
+from dcp_compile.passes.shard_attention import shard_attention
+from dcp_compile.passes.shard_kv_writes import shard_kv_writes
+
+log = logging.getLogger("dcp_compile.passes")
+
+Pass = Callable[[GraphModule, Plan], GraphModule]
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    name: str
+    seconds: float
+
+
+def target_passes(layout: KVLayout, group_name: str) -> list[Pass]:
+    return [
+        functools.partial(shard_kv_writes, layout=layout),
+        functools.partial(shard_attention, layout=layout, group_name=group_name),
+        check_target,
+    ]
+
+
+def draft_passes() -> list[Pass]:
+    return [check_draft]
+
+
+def _name(p: Pass) -> str:
+    return getattr(p, "func", p).__name__
+
+
+def run_passes(
+    gm: GraphModule, plan: Plan, passes: list[Pass], *, dump_dir: Path | None = None, tag: str = "graph"
+) -> tuple[GraphModule, list[PassTiming]]:
+    timings = []
+    for i, p in enumerate(passes):
+        if dump_dir is not None:
+            (dump_dir / f"{tag}_{i:02d}_before_{_name(p)}.py").write_text(gm.code)
+        start = time.perf_counter()
+        gm = p(gm, plan)
+        timings.append(PassTiming(_name(p), time.perf_counter() - start))
+        log.info("pass %s took %.1f ms", _name(p), 1e3 * timings[-1].seconds)
+    if dump_dir is not None:
+        (dump_dir / f"{tag}_{len(passes):02d}_final.py").write_text(gm.code)
+    gm.graph.lint()
+    return gm, timings

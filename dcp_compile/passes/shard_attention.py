@@ -1,0 +1,103 @@
+"""shard_attention: every target attention becomes the cascade of DESIGN section 3.
+
+Precondition: ``plan`` came from ``find`` on this ``gm``; ``shard_kv_writes`` may or may
+not have run (the cascade reads only slots before each sequence's first new token,
+which this step's writes never touch).
+
+Invariant established: each attention site is replaced by
+
+    prefix_r = prefix_attention(q, local cache slots [0, local_length(start_b)))
+    gathered = all_gather([out | lse] of prefix_r)     # the one collective per layer
+    window   = window_attention(q, new k/v in hand, causal by global position)
+    out      = merge(rank 0 .. N-1 prefixes, window)   # fixed order: same bits on every rank
+
+``start_b`` and the window's positions come from the positions the same layer's KV
+write stores; the user's own mask over the full cache is not used (it described the
+unsharded cache).  The window is merged once, after the gather, so it counts once.
+
+Never: leaves a site unreplaced, or keeps a read of a full cache buffer alive (the
+view chains feeding the old attention are erased once orphaned).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.ops.attention import window_attention
+from dcp_compile.ops.merge import lse_merge
+from dcp_compile.passes.find import AttentionSite, Plan
+from dcp_compile.passes.fx_utils import erase_dead_pure_nodes, fake_value
+from dcp_compile.passes.kv_index import cache_BHSD, prefix_lengths, window_kv, window_positions
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
+
+
+def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``[B,H,T,D]`` fp32 and ``[B,H,T]`` fp32 -> ``[B,H,T,D+1]``: one payload, one collective."""
+    return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
+
+
+def merge_gathered(
+    gathered: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Merge the ``size`` gathered prefixes (rank order) and the window; cast to ``dtype``."""
+    partials = gathered.view(size, *window_out.shape[:-1], window_out.shape[-1] + 1)
+    outs = torch.cat([partials[..., :-1], window_out.unsqueeze(0)], dim=0)
+    lses = torch.cat([partials[..., -1], window_lse.unsqueeze(0)], dim=0)
+    out, _ = lse_merge(outs, lses)
+    return out.to(dtype)
+
+
+def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str) -> None:
+    graph = gm.graph
+    k_write, v_write = site.k_write, site.v_write
+    batch = k_write.index.batch
+    sharding = dict(size=layout.size, rank=layout.rank, interleave=layout.interleave)
+    out_dtype = fake_value(site.node).dtype
+    old_inputs = list(site.node.all_input_nodes)
+    with graph.inserting_before(site.node):
+        positions = graph.call_function(
+            window_positions,
+            (k_write.positions,),
+            dict(shape=k_write.index.position_shape, tags=k_write.index.position_tags, batch=batch),
+        )
+        new_kv = [
+            graph.call_function(
+                window_kv,
+                (w.value,),
+                dict(shape=w.index.value_shape, tags=w.index.value_tags, batch=batch, dtype=w.index.cache_dtype),
+            )
+            for w in (k_write, v_write)
+        ]
+        caches = [graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim)) for w in (k_write, v_write)]
+        kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
+        prefix = graph.call_function(PREFIX_ATTENTION, (site.query, caches[0], caches[1], kv_len, site.scale))
+        packed = graph.call_function(
+            pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
+        )
+        gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
+        window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+        gathered = graph.call_function(WAIT, (gathered,))
+        out = graph.call_function(
+            merge_gathered,
+            (gathered, graph.call_function(operator.getitem, (window, 0)), graph.call_function(operator.getitem, (window, 1))),
+            dict(size=layout.size, dtype=out_dtype),
+        )
+    for node in (positions, *new_kv, *caches, kv_len, prefix, packed, gathered, window, out):
+        node.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    site.node.replace_all_uses_with(out)
+    graph.erase_node(site.node)
+    erase_dead_pure_nodes(gm, old_inputs)
+
+
+def shard_attention(gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str) -> GraphModule:
+    for site in plan.sites:
+        _rewrite_site(gm, site, layout, group_name)
+    gm.recompile()
+    return gm

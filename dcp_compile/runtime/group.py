@@ -1,0 +1,76 @@
+"""The DCP process group: who the ranks are, and how collectives reach them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, eq=False)
+class DCPGroup:
+    """A fixed group of ranks that share every sequence's target KV cache."""
+
+    size: int
+    rank: int
+    device: torch.device
+    """Device this rank computes on (``cuda:LOCAL_RANK`` under NCCL, else CPU)."""
+    process_group: dist.ProcessGroup | None = field(repr=False)
+    """None for a group of size 1, which never communicates."""
+
+    @property
+    def group_name(self) -> str:
+        """Name the functional collectives use to find the process group."""
+        if self.process_group is None:
+            raise ValueError("a DCP group of size 1 has no process group")
+        return self.process_group.group_name
+
+    @property
+    def backend(self) -> str | None:
+        return None if self.process_group is None else dist.get_backend(self.process_group)
+
+
+def init_group(
+    device: str | torch.device | None = None, *, timeout: timedelta = timedelta(minutes=10)
+) -> DCPGroup:
+    """Join the DCP group described by the torchrun environment.
+
+    - Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) it
+      initialises the default process group: NCCL when the device is CUDA, gloo on CPU.
+    - With no such environment, or ``WORLD_SIZE=1``, it returns a group of size 1, the
+      "off arm" that compiles exactly as plain ``torch.compile``.
+    - If the default process group already exists, it is reused.
+
+    ``device`` defaults to ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+
+    if dist.is_initialized():
+        pg = dist.group.WORLD
+        return DCPGroup(dist.get_world_size(pg), dist.get_rank(pg), device, pg if dist.get_world_size(pg) > 1 else None)
+
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if not present or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return DCPGroup(1, 0, device, None)
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"incomplete torchrun environment: {present} are set but {missing} are not; launch with "
+            f"`torchrun --nproc-per-node N ...` or unset them for a single-process group"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return DCPGroup(dist.get_world_size(), dist.get_rank(), device, dist.group.WORLD)

@@ -1,0 +1,238 @@
+"""prepare: discover a model's KV caches and give each rank the buffers it will own.
+
+Dynamo traces with real shapes, so the local cache buffers must exist before
+``torch.compile`` sees the model.  ``prepare`` runs a discovery trace (Dynamo on fake
+tensors, nothing is executed), reuses the ``find`` pass to locate the caches, then:
+
+- target role, group of N > 1: swaps every cache for a zeroed local buffer of
+  ``S_loc + 1`` slots along its sequence axis, and shards the last axis of any buffer
+  that shapes an attention mask over the cache, so that the model traces;
+- draft role, or a group of size 1: leaves every buffer as it is.
+
+All ranks first exchange a fingerprint of the model config and the prepare arguments,
+so ranks that built different models fail here, with the numbers, instead of
+deadlocking or corrupting a collective later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dcp_compile import layout as kvlayout
+from dcp_compile.layout import KVLayout
+from dcp_compile.passes.find import find
+from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for, register
+from dcp_compile.runtime.group import DCPGroup
+
+_TOKEN_ARGS = ("tokens", "input_ids", "idx", "token_ids")
+_ROW_POSITION_ARGS = ("positions", "position_ids")
+_SHARED_POSITION_ARGS = ("input_pos", "cache_position")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` did to a model."""
+
+    role: str
+    caches: tuple[CacheRecord, ...]
+    mask_buffers: tuple[str, ...]
+    """Buffers whose last axis was sharded to the local cache length."""
+    kv_bytes: int
+    """Bytes of KV cache this rank holds for the model."""
+
+
+class _DiscoveryDone(Exception):
+    pass
+
+
+def _default_example_inputs(model: nn.Module, max_batch: int, device: torch.device) -> tuple:
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    args = []
+    for p in params:
+        if p.name in _TOKEN_ARGS or p.name in _ROW_POSITION_ARGS:
+            args.append(torch.zeros(max_batch, 1, dtype=torch.long, device=device))
+        elif p.name in _SHARED_POSITION_ARGS:
+            args.append(torch.zeros(1, dtype=torch.long, device=device))
+        else:
+            names = ", ".join(q.name for q in params)
+            raise ValueError(
+                f"prepare cannot build a discovery call for {type(model).__name__}.forward({names}): it knows "
+                f"token arguments {_TOKEN_ARGS} and position arguments {_ROW_POSITION_ARGS + _SHARED_POSITION_ARGS}, "
+                f"not {p.name!r}. Pass example_inputs=(...), the positional arguments of one decode call"
+            )
+    return tuple(args)
+
+
+def _discovery_trace(model: nn.Module, example_inputs: tuple):
+    captured = {}
+
+    def capture(gm, inputs, **_):
+        captured["gm"], captured["inputs"] = gm, list(inputs)
+        raise _DiscoveryDone
+
+    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+    try:
+        with torch.no_grad():
+            compiled(*example_inputs)
+    except Exception as error:  # Dynamo wraps the backend's exception
+        if "gm" not in captured:
+            raise ValueError(
+                f"prepare's discovery trace of {type(model).__name__} failed: {error}. The model must trace "
+                f"with torch.compile(fullgraph=True) on example_inputs"
+            ) from error
+    return captured["gm"], captured["inputs"]
+
+
+def _fingerprint(model: nn.Module, role: str, max_batch: int, max_seq_len: int, interleave: int) -> int:
+    digest = hashlib.sha256(f"{type(model).__qualname__}|{role}|{max_batch}|{max_seq_len}|{interleave}".encode())
+    for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in named:
+            digest.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}".encode())
+    return int.from_bytes(digest.digest()[:7], "little")
+
+
+def _check_ranks_agree(group: DCPGroup, fingerprint: int, role: str) -> None:
+    if group.size == 1:
+        return
+    mine = torch.tensor([fingerprint], dtype=torch.long, device=group.device)
+    everyone = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(everyone, mine, group=group.process_group)
+    prints = [int(t.item()) for t in everyone]
+    if len(set(prints)) > 1:
+        differ = [r for r, f in enumerate(prints) if f != prints[0]]
+        raise ValueError(
+            f"ranks disagree on the {role} model config at prepare: config fingerprints per rank {prints} "
+            f"(ranks {differ} differ from rank 0). Every rank must build the same model (same parameter and "
+            f"buffer names, shapes, dtypes) and call prepare with the same max_batch, max_seq_len and interleave"
+        )
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
+    """id(buffer) -> (qualified name, owning module, attribute name)."""
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for attr, buf in module._buffers.items():
+            if buf is not None:
+                owners[id(buf)] = (f"{mod_name}.{attr}" if mod_name else attr, module, attr)
+    return owners
+
+
+def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """The columns of ``mask`` for this rank's slots; the trash column and slots past the
+    end are fully masked."""
+    slots = torch.arange(layout.local_cache_len, device=mask.device)
+    positions = kvlayout.global_position(slots, layout.rank, layout.size, layout.interleave)
+    real = (slots < layout.local_capacity) & (positions < layout.max_seq_len)
+    columns = mask.index_select(-1, torch.where(real, positions, 0))
+    blocked = torch.zeros((), dtype=mask.dtype) if mask.dtype == torch.bool else torch.tensor(float("-inf"), dtype=mask.dtype)
+    return torch.where(real, columns, blocked.to(mask.device))
+
+
+def _refuse_eager_call(module, args):
+    if not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{type(module).__name__} holds sharded KV caches after dcp.prepare and cannot run eagerly: its "
+            f"attention would see only this rank's slots. Call it through "
+            f"torch.compile(model, backend=dcp.backend(group, role='target'), fullgraph=True)"
+        )
+
+
+def prepare(
+    model: nn.Module,
+    group: DCPGroup,
+    role: str = "target",
+    *,
+    max_batch: int,
+    max_seq_len: int,
+    example_inputs: tuple | None = None,
+    interleave: int = 1,
+) -> Prepared:
+    """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
+
+    Args:
+        model: the module to be compiled; its KV caches must be registered buffers.
+        group: from ``dcp.init_group()``.
+        role: ``"target"`` (caches sharded over the group) or ``"draft"`` (whole).
+        max_batch: batch rows of the cache buffers.
+        max_seq_len: global sequence capacity ``S`` of the cache buffers.
+        example_inputs: positional arguments of one forward call, for the discovery
+            trace; built from the forward signature when omitted.
+        interleave: ``I``, consecutive positions stored on one rank.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("interleave", interleave)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    sharded = role == "target" and group.size > 1
+    if sharded and group.size * interleave > max_seq_len:
+        raise ValueError(
+            f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
+            f"ranks would own no position. Use a group of at most {max_seq_len // interleave} ranks or a larger max_seq_len"
+        )
+    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave), role)
+
+    if example_inputs is None:
+        device = next(model.parameters()).device
+        example_inputs = _default_example_inputs(model, max_batch, device)
+    gm, inputs = _discovery_trace(model, tuple(example_inputs))
+    plan = find(gm)
+    if not plan.caches:
+        raise ValueError(
+            f"{type(model).__name__} has no KV cache: expected buffers written along a sequence axis by "
+            f"index_copy_, index_put_ or cache[..., positions, ...] = kv in forward, found none. "
+            f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
+        )
+    owners = _owners(model)
+    layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
+    records, kv_bytes = [], 0
+    for cache in plan.caches:
+        tensor = inputs[cache.input_index]
+        if id(tensor) not in owners:
+            raise ValueError(
+                f"KV cache {cache.name} is not a registered buffer; create it with module.register_buffer(...) "
+                f"so that prepare can replace it with this rank's shard"
+            )
+        qualname, module, attr = owners[id(tensor)]
+        if record_for(tensor) is not None:
+            raise ValueError(f"KV cache {qualname} was already prepared; call dcp.prepare once per model")
+        if tensor.shape[cache.seq_dim] != max_seq_len or tensor.shape[0] != max_batch:
+            raise ValueError(
+                f"KV cache {qualname} has shape {tuple(tensor.shape)} (batch axis 0, sequence axis "
+                f"{cache.seq_dim}); expected batch {max_batch} and sequence {max_seq_len} from prepare's "
+                f"max_batch and max_seq_len"
+            )
+        if sharded:
+            local_shape = list(tensor.shape)
+            local_shape[cache.seq_dim] = layout.local_cache_len
+            tensor = torch.zeros(local_shape, dtype=tensor.dtype, device=tensor.device)
+            module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
+        record = CacheRecord(qualname, role, cache.seq_dim, layout, tuple(inputs[cache.input_index].shape))
+        register(tensor, record)
+        records.append(record)
+        kv_bytes += tensor.numel() * tensor.element_size()
+
+    mask_names = []
+    if sharded:
+        for index in plan.mask_inputs:
+            tensor = inputs[index]
+            if id(tensor) not in owners:
+                raise ValueError(
+                    f"graph input {index} shapes an attention mask over the KV cache but is not a registered "
+                    f"buffer; make it a buffer or build the mask from positions inside forward"
+                )
+            qualname, module, attr = owners[id(tensor)]
+            module.register_buffer(attr, _local_mask(tensor, layout), persistent=attr not in module._non_persistent_buffers_set)
+            mask_names.append(qualname)
+        model.register_forward_pre_hook(_refuse_eager_call)
+    return Prepared(role, tuple(records), tuple(mask_names), kv_bytes)
