@@ -47,7 +47,10 @@ def attention_with_lse(
     lse = torch.logsumexp(scores, dim=-1)  # -inf exactly where a row sees no key
     shift = torch.where(torch.isfinite(lse), lse, 0.0)
     probs = torch.exp(scores - shift.unsqueeze(-1))
-    out = torch.einsum("bkgts,bksd->bkgtd", probs, v_BHSD.float())
+    # A slot no query may see can hold anything (trash, never-written memory, NaN);
+    # 0 * NaN would still poison the sum, so such values are zeroed, not just weighted 0.
+    unseen = ~allowed_BTS.any(dim=-2)[:, None, :, None]
+    out = torch.einsum("bkgts,bksd->bkgtd", probs, v_BHSD.float().masked_fill(unseen, 0.0))
     return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
 
 

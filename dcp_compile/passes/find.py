@@ -235,40 +235,18 @@ def find(gm: GraphModule) -> Plan:
         value = arg(write_node, 3, "source") if index.kind == "index_copy_" else write_node.args[2]
         writes[cache_node] = KVWrite(write_node, cache, index, positions_node(write_node, index), value)
 
-    graph = nx.DiGraph()
-    for node in gm.graph.nodes:
-        graph.add_node(node)
-        for source in node.all_input_nodes:
-            graph.add_edge(source, node)
-    from_cache = set().union(*(nx.descendants(graph, c) for c in caches)) if caches else set()
-
     sites: list[AttentionSite] = []
     explained: set[Node] = {w.node for w in writes.values()}
     for node in gm.graph.nodes:
-        if is_flex_attention(node) and node in from_cache:
-            raise GraphPatternError(
-                f"flex_attention over a KV cache at {where(node)} is not supported yet; "
-                f"use F.scaled_dot_product_attention for attention over the cache"
-            )
         if not is_sdpa(node):
             continue
         q, k, v = node.args[:3]
-        if k not in from_cache and v not in from_cache and k not in caches and v not in caches:
-            continue  # attention over in-graph tensors: not a cache read, left alone
-        reads = []
-        for operand in (k, v):
-            found = _read_chain(operand, caches)
-            if found is None:
-                raise GraphPatternError(
-                    f"target attention at {where(node)} reads a KV cache through ops that mix it with other "
-                    f"tensors (its key/value argument {operand.name} is not a view of one cache); the cascade "
-                    f"needs SDPA over the cache buffer itself"
-                )
-            cache, chain = found
-            repeat = _replay_read(chain, cache)
-            explained.update(chain)
-            reads.append((cache, repeat))
-        (k_cache, _), (v_cache, _) = reads
+        reads = [_read_chain(operand, caches) for operand in (k, v)]
+        if any(r is None for r in reads):
+            continue  # not over two caches: either no cache at all, or caught as an unexplained read below
+        (k_cache, k_chain), (v_cache, v_chain) = reads
+        _replay_read(k_chain, k_cache)
+        _replay_read(v_chain, v_cache)
         if k_cache.node is v_cache.node:
             raise GraphPatternError(f"attention at {where(node)} reads one cache ({k_cache.name}) as both keys and values")
         k_write, v_write = writes[k_cache.node], writes[v_cache.node]
@@ -279,21 +257,39 @@ def find(gm: GraphModule) -> Plan:
             )
         if arg(node, 4, "dropout_p", 0.0):
             raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
-        head_dim = shape_of(q)[-1]
         scale = arg(node, 6, "scale", None)
-        sites.append(AttentionSite(node, q, k_write, v_write, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)))
-        explained.add(node)
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
+        sites.append(AttentionSite(node, q, k_write, v_write, scale))
+        explained.update(k_chain, v_chain, (node,))
 
-    for source in list(caches) + [n for n in explained if n not in caches]:
-        if source in writes or op_name(source) in WRITE_KINDS or is_sdpa(source):
-            continue
-        for user in source.users:
+    # Everything that consumes cache data must be a write, a recognised view chain, or
+    # a site (whose output is attention, no longer cache data).
+    frontier, seen, unexplained = list(caches), set(caches), []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
             if user not in explained:
-                raise GraphPatternError(
-                    f"a KV cache is read by {op_name(user) or user.op!r} at {where(user)}, which the "
-                    f"passes cannot shard; read caches only through F.scaled_dot_product_attention"
-                )
+                unexplained.append(user)
+            elif not is_sdpa(user) and op_name(user) not in WRITE_KINDS:
+                frontier.append(user)
+    if unexplained:
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        first = min(unexplained, key=order.__getitem__)
+        if is_flex_attention(first):
+            raise GraphPatternError(
+                f"flex_attention over a KV cache at {where(first)} is not supported yet; "
+                f"use F.scaled_dot_product_attention for attention over the cache"
+            )
+        raise GraphPatternError(
+            f"a KV cache is read by {op_name(first) or first.op!r} at {where(first)}, which the passes cannot "
+            f"shard; read caches only through F.scaled_dot_product_attention, directly or through "
+            f"layout views and a GQA head replication"
+        )
 
+    graph = nx.DiGraph((source, node) for node in gm.graph.nodes for source in node.all_input_nodes)
     mask_inputs = set()
     for site in sites:
         mask = arg(site.node, 3, "attn_mask", None)

@@ -73,7 +73,8 @@ def _default_example_inputs(model: nn.Module, max_batch: int, device: torch.devi
     return tuple(args)
 
 
-def _discovery_trace(model: nn.Module, example_inputs: tuple):
+def trace_graph(model: nn.Module, example_inputs: tuple):
+    """Dynamo's FX graph of ``model(*example_inputs)`` and its real inputs; runs nothing."""
     captured = {}
 
     def capture(gm, inputs, **_):
@@ -185,7 +186,7 @@ def prepare(
     if example_inputs is None:
         device = next(model.parameters()).device
         example_inputs = _default_example_inputs(model, max_batch, device)
-    gm, inputs = _discovery_trace(model, tuple(example_inputs))
+    gm, inputs = trace_graph(model, tuple(example_inputs))
     plan = find(gm)
     if not plan.caches:
         raise ValueError(

@@ -1,0 +1,131 @@
+"""Small attention modules in the idioms the passes must recognise (or refuse)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B, HQ, HKV, S, D = 2, 4, 2, 16, 8
+
+
+class GptFastStyle(nn.Module):
+    """gpt-fast: ``k_out[:, :, input_pos] = k``, a causal-mask buffer indexed by input_pos,
+    repeat_interleave GQA."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(D, HQ * D, bias=False)
+        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
+        self.register_buffer("k_cache", torch.zeros(B, HKV, S, D))
+        self.register_buffer("v_cache", torch.zeros(B, HKV, S, D))
+        self.register_buffer("causal_mask", torch.tril(torch.ones(S, S, dtype=torch.bool)))
+
+    def forward(self, x, input_pos):
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        mask = self.causal_mask[None, None, input_pos]
+        keys = self.k_cache.repeat_interleave(HQ // HKV, dim=1)
+        values = self.v_cache.repeat_interleave(HQ // HKV, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class IndexCopyStyle(nn.Module):
+    """Hugging Face StaticCache: ``index_copy_(2, cache_position, k)``, expand + reshape GQA."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(D, HQ * D, bias=False)
+        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
+        self.register_buffer("keys", torch.zeros(B, HKV, S, D))
+        self.register_buffer("values", torch.zeros(B, HKV, S, D))
+
+    def forward(self, x, cache_position):
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
+        self.keys.index_copy_(2, cache_position, k)
+        self.values.index_copy_(2, cache_position, v)
+        mask = torch.arange(S)[None, :] <= cache_position[:, None]
+        n_rep = HQ // HKV
+        keys = self.keys[:, :, None, :, :].expand(B, HKV, n_rep, S, D).reshape(B, HQ, S, D)
+        values = self.values[:, :, None, :, :].expand(B, HKV, n_rep, S, D).reshape(B, HQ, S, D)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])
+
+
+class IndexPutBSHD(nn.Module):
+    """A ``[B, S, H, D]`` cache written by ``index_put_((rows, positions), k)``; enable_gqa."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(D, HQ * D, bias=False)
+        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
+        self.register_buffer("k_cache", torch.zeros(B, S, HKV, D))
+        self.register_buffer("v_cache", torch.zeros(B, S, HKV, D))
+
+    def forward(self, x, positions):
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).split(HKV, dim=2)
+        rows = torch.arange(B)[:, None]
+        self.k_cache.index_put_((rows, positions), k)
+        self.v_cache.index_put_((rows, positions), v)
+        mask = torch.arange(S)[None, None, None, :] <= positions[:, None, :, None]
+        return F.scaled_dot_product_attention(
+            q, self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
+
+
+class NoCache(nn.Module):
+    """Attention over keys and values computed in the graph: not a cache read."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(D, 3 * HQ * D, bias=False)
+
+    def forward(self, x, positions):
+        T = x.shape[1]
+        q, k, v = self.wqkv(x).view(B, T, 3 * HQ, D).transpose(1, 2).split(HQ, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CacheThenConcat(GptFastStyle):
+    """Attention over ``cat([cache, new])``: a cache read the passes cannot classify."""
+
+    def forward(self, x, input_pos):
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        keys = torch.cat([self.k_cache, k], dim=2)  # UNCLASSIFIABLE-READ
+        values = torch.cat([self.v_cache, v], dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+
+class MatmulOverCache(GptFastStyle):
+    """Hand-written attention over the cache: not SDPA, so it cannot be sharded."""
+
+    def forward(self, x, input_pos):
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        scores = q[:, :HKV] @ self.k_cache.transpose(-1, -2)  # MATMUL-READ
+        return scores.softmax(-1) @ self.v_cache
+
+
+def inputs_for(module: nn.Module, tokens: int = 3):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, tokens, D, generator=gen)
+    if isinstance(module, (IndexPutBSHD, NoCache)):
+        return x, torch.arange(5, 5 + tokens).expand(B, tokens).contiguous()
+    return x, torch.arange(5, 5 + tokens)
+
+
+def line_of(marker: str) -> int:
+    """Line number of ``marker`` in this file, for checking that errors name the user's line."""
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from dcp_compile.models import LlamaConfig
+from dcp_compile.models.llama import GQA_FORMS
+from dcp_compile.passes import GraphPatternError, find
+from dcp_compile.testing import capture_graph, make_model
+from tests.passes import graphs
+
+
+@pytest.mark.parametrize("gqa", GQA_FORMS)
+def test_find_on_reference_model_finds_every_layer(gqa):
+    cfg = LlamaConfig(n_layers=3, gqa=gqa)
+    model = make_model(cfg)
+    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
+    gm, inputs = capture_graph(model, tokens, tokens.clone())
+    plan = find(gm)
+    assert len(plan.sites) == cfg.n_layers
+    assert len(plan.caches) == len(plan.writes) == 2 * cfg.n_layers
+    for layer, site in enumerate(plan.sites):
+        attention = model.layers[layer].attention
+        assert inputs[site.k_write.cache.input_index] is attention.k_cache
+        assert inputs[site.v_write.cache.input_index] is attention.v_cache
+        assert site.k_write.index.kind == "setitem" and site.k_write.cache.seq_dim == 2
+        assert site.scale == pytest.approx(cfg.head_dim**-0.5)
+    assert [inputs[i].dtype for i in plan.position_inputs] == [torch.long]
+    assert plan.mask_inputs == ()
+
+
+@pytest.mark.parametrize(
+    "module_cls,kind,seq_dim",
+    [(graphs.GptFastStyle, "setitem", 2), (graphs.IndexCopyStyle, "index_copy_", 2), (graphs.IndexPutBSHD, "index_put_", 1)],
+)
+def test_find_recognises_write_idioms(module_cls, kind, seq_dim):
+    module = module_cls()
+    gm, inputs = capture_graph(module, *graphs.inputs_for(module))
+    plan = find(gm)
+    assert len(plan.sites) == 1 and len(plan.writes) == 2
+    assert {w.index.kind for w in plan.writes} == {kind}
+    assert {c.seq_dim for c in plan.caches} == {seq_dim}
+    site = plan.sites[0]
+    assert {site.k_write.cache.node, site.v_write.cache.node} == {c.node for c in plan.caches}
+
+
+def test_find_reports_mask_buffer_over_the_cache():
+    module = graphs.GptFastStyle()
+    gm, inputs = capture_graph(module, *graphs.inputs_for(module))
+    plan = find(gm)
+    assert [inputs[i] for i in plan.mask_inputs] == [module.causal_mask]
+
+
+def test_find_leaves_attention_over_in_graph_tensors_alone():
+    module = graphs.NoCache()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    before = gm.code
+    plan = find(gm)
+    assert plan.sites == () and plan.caches == () and plan.writes == ()
+    assert gm.code == before
+
+
+@pytest.mark.parametrize(
+    "module_cls,marker,expected",
+    [
+        (graphs.CacheThenConcat, "UNCLASSIFIABLE-READ", "read by 'cat'"),
+        (graphs.MatmulOverCache, "MATMUL-READ", "cannot shard"),
+    ],
+)
+def test_unclassifiable_cache_read_names_the_source_line(module_cls, marker, expected):
+    module = module_cls()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    with pytest.raises(GraphPatternError, match=expected) as error:
+        find(gm)
+    assert f"graphs.py:{graphs.line_of(marker)}" in str(error.value)
+
+
+def test_batch_index_must_be_arange():
+    class PermutedRows(graphs.IndexPutBSHD):
+        def forward(self, x, positions):
+            T = x.shape[1]
+            k = self.wkv(x).view(graphs.B, T, 2 * graphs.HKV, graphs.D)[:, :, : graphs.HKV]
+            rows = torch.tensor([1, 0])[:, None]
+            self.k_cache.index_put_((rows, positions), k)
+            return self.k_cache.sum()
+
+    module = PermutedRows()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    with pytest.raises(GraphPatternError, match=r"expected torch.arange\(2\)"):
+        find(gm)

@@ -1,0 +1,76 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.passes import check_target, find, shard_attention, shard_kv_writes
+from dcp_compile.passes.check import count_targets, is_collective
+from dcp_compile.passes.fx_utils import is_sdpa
+from dcp_compile.passes.kv_index import cache_BHSD
+from dcp_compile.passes.shard_attention import ALL_GATHER, PREFIX_ATTENTION, WAIT, merge_gathered
+from dcp_compile.testing import capture_graph
+from tests.passes import graphs
+
+IDIOMS = [graphs.GptFastStyle, graphs.IndexCopyStyle, graphs.IndexPutBSHD]
+
+
+def sharded(module, size=2, rank=0):
+    gm, inputs = capture_graph(module, *graphs.inputs_for(module))
+    plan = find(gm)
+    layout = KVLayout(size, rank, graphs.S)
+    shard_kv_writes(gm, plan, layout=layout)
+    shard_attention(gm, plan, layout=layout, group_name="test-group")
+    return gm, plan
+
+
+@pytest.mark.parametrize("module_cls", IDIOMS)
+def test_attention_becomes_one_cascade(module_cls):
+    gm, plan = sharded(module_cls())
+    counts = count_targets(gm)
+    assert counts[PREFIX_ATTENTION] == counts[ALL_GATHER] == counts[WAIT] == counts[merge_gathered] == 1
+    assert not any(is_sdpa(n) for n in gm.graph.nodes)
+    gather = next(n for n in gm.graph.nodes if n.target is ALL_GATHER)
+    assert gather.args[1:] == (2, "test-group")
+    for cache in plan.caches:
+        users = {u.target for u in cache.node.users}
+        assert users <= {cache_BHSD} | {w.node.target for w in plan.writes}
+    check_target(gm, plan)
+    gm.graph.lint()
+
+
+def test_reference_model_gets_one_collective_per_layer():
+    from dcp_compile.models import LlamaConfig
+    from dcp_compile.testing import make_model
+
+    cfg = LlamaConfig(n_layers=4, gqa="repeat_interleave")
+    model = make_model(cfg)
+    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
+    gm, _ = capture_graph(model, tokens, tokens.clone())
+    plan = find(gm)
+    layout = KVLayout(3, 2, cfg.max_seq_len)
+    shard_kv_writes(gm, plan, layout=layout)
+    shard_attention(gm, plan, layout=layout, group_name="g")
+    check_target(gm, plan)
+    assert sum(is_collective(n) for n in gm.graph.nodes) == 2 * cfg.n_layers  # all-gather + wait per layer
+    assert not any(n.op == "call_method" and n.target == "repeat_interleave" for n in gm.graph.nodes), (
+        "the full-cache GQA replication is dead after the rewrite and must be gone"
+    )
+
+
+def test_attention_over_in_graph_tensors_is_not_rewritten():
+    class Mixed(graphs.GptFastStyle):
+        def forward(self, x, input_pos):
+            out = super().forward(x, input_pos)
+            return F.scaled_dot_product_attention(out, out, out)
+
+    gm, plan = sharded(Mixed())
+    sdpas = [n for n in gm.graph.nodes if is_sdpa(n)]
+    assert len(plan.sites) == 1 and len(sdpas) == 1
+    assert sdpas[0].args[0].target is torch.ops.aten.add.Tensor or sdpas[0].args[1] is sdpas[0].args[0]
+
+
+def test_check_target_rejects_an_unsharded_graph():
+    module = graphs.GptFastStyle()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    with pytest.raises(AssertionError, match="expected 1 merges, found 0"):
+        check_target(gm, find(gm))
