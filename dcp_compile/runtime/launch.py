@@ -9,6 +9,7 @@ re-raised in the parent with its traceback; a rank that hangs is killed after
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -34,7 +35,11 @@ def _entry(fn, rank: int, size: int, port: int, results, threads: int, args: tup
     )
     torch.set_num_threads(threads)
     try:
-        results.put((rank, True, fn(rank, size, *args)))
+        # Bytes, not tensors: a tensor sent through a multiprocessing queue lives in this
+        # process's shared memory, which is gone once the rank exits.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, size, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -66,7 +71,7 @@ def spawn_ranks(fn: Callable[..., Any], size: int, *args, timeout: float = 600.0
                 raise TimeoutError(f"ranks {sorted(set(range(size)) - set(outputs))} gave no result within {timeout:.0f}s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} of {size} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)

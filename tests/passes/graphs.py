@@ -47,10 +47,11 @@ class IndexCopyStyle(nn.Module):
         k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
         self.keys.index_copy_(2, cache_position, k)
         self.values.index_copy_(2, cache_position, v)
-        mask = torch.arange(S)[None, :] <= cache_position[:, None]
+        slen = self.keys.shape[2]
+        mask = torch.arange(slen)[None, :] <= cache_position[:, None]
         n_rep = HQ // HKV
-        keys = self.keys[:, :, None, :, :].expand(B, HKV, n_rep, S, D).reshape(B, HQ, S, D)
-        values = self.values[:, :, None, :, :].expand(B, HKV, n_rep, S, D).reshape(B, HQ, S, D)
+        keys = self.keys[:, :, None, :, :].expand(B, HKV, n_rep, slen, D).reshape(B, HQ, slen, D)
+        values = self.values[:, :, None, :, :].expand(B, HKV, n_rep, slen, D).reshape(B, HQ, slen, D)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])
 
 
@@ -71,7 +72,7 @@ class IndexPutBSHD(nn.Module):
         rows = torch.arange(B)[:, None]
         self.k_cache.index_put_((rows, positions), k)
         self.v_cache.index_put_((rows, positions), v)
-        mask = torch.arange(S)[None, None, None, :] <= positions[:, None, :, None]
+        mask = torch.arange(self.k_cache.shape[1])[None, None, None, :] <= positions[:, None, :, None]
         return F.scaled_dot_product_attention(
             q, self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2), attn_mask=mask, enable_gqa=True
         )
