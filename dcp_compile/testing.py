@@ -5,6 +5,8 @@ Workers are module-level so spawned ranks can import them by name.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 from torch import nn
 
@@ -17,7 +19,7 @@ PROMPT_LENGTHS = (5, 17, 30)
 # Logit tolerances per dtype, written down once.  fp32: torch.testing's defaults.
 # bf16: bounded relative to the unsharded bf16 model's own distance from float64
 # (see gpu_parity_worker), not a fixed number.
-FP32_TOLERANCE = dict(rtol=1.3e-6, atol=1e-5)
+FP32_TOLERANCE = MappingProxyType(dict(rtol=1.3e-6, atol=1e-5))
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, vocab: int = 256, seed: int = 1) -> list[list[int]]:

@@ -1,0 +1,72 @@
+"""Nothing in the package switches parallel state at run time.
+
+The role and group of a compiled graph are fixed when it is compiled; there is no
+"dcp enabled" flag to flip around draft calls.  This scans the package source for the
+ways such a switch could exist: ``global``/``nonlocal`` rebinding, assignments into
+another module's attributes (``torch._dynamo.config.x = ...``), and module-level
+mutable state other than the prepare-time cache registry.
+"""
+
+import ast
+from pathlib import Path
+
+import dcp_compile
+
+PACKAGE = Path(dcp_compile.__file__).parent
+# Written only by dcp.prepare (one record per cache buffer), read only at compile time.
+ALLOWED_MODULE_STATE = {("runtime/caches.py", "_records")}
+
+
+def sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text())
+
+
+def test_no_global_or_nonlocal_rebinding():
+    found = [
+        f"{name}:{node.lineno}"
+        for name, tree in sources()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Global, ast.Nonlocal))
+    ]
+    assert found == []
+
+
+def test_no_assignment_into_other_modules():
+    found = []
+    for name, tree in sources():
+        imported = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                root = target
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in imported:
+                    found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
+def test_module_level_mutable_state_is_only_the_prepare_registry():
+    mutable_calls = {"dict", "list", "set", "WeakIdKeyDictionary", "WeakKeyDictionary", "defaultdict", "OrderedDict"}
+    found = set()
+    for name, tree in sources():
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                value = node.value
+                is_mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+                    isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) in mutable_calls
+                )
+                if is_mutable:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    found.update((name, t.id) for t in targets if isinstance(t, ast.Name) and not t.id.startswith("__"))
+    assert found == ALLOWED_MODULE_STATE
+
+
+def test_the_registry_is_written_only_by_prepare():
+    writers = []
+    for name, tree in sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register":
+                writers.append(name)
+    assert writers == ["runtime/prepare.py"]
