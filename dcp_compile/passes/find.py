@@ -81,9 +81,6 @@ class Plan:
     position_inputs: tuple[int, ...]
     """Placeholder indices whose values are the global positions written this step."""
 
-    def cache_for(self, node: Node) -> KVCache:
-        return next(c for c in self.caches if c.node is node)
-
 
 _LAYOUT_ONLY = frozenset(
     {"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type"}

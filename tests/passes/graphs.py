@@ -7,46 +7,58 @@ from torch import nn
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 
 
-class GptFastStyle(nn.Module):
+class Projections(nn.Module):
+    """Query and key/value projections plus two cache buffers of ``cache_shape``."""
+
+    def __init__(self, cache_shape=(B, HKV, S, D), names=("k_cache", "v_cache")):
+        super().__init__()
+        self.wq = nn.Linear(D, HQ * D, bias=False)
+        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
+        for name in names:
+            self.register_buffer(name, torch.zeros(cache_shape))
+
+    def project(self, x):
+        """``q [B, HQ, T, D]`` and ``k, v [B, T, HKV, D]``."""
+        T = x.shape[1]
+        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2 * HKV, D).split(HKV, dim=2)
+        return q, k, v
+
+
+class GptFastStyle(Projections):
     """gpt-fast: ``k_out[:, :, input_pos] = k``, a causal-mask buffer indexed by input_pos,
     repeat_interleave GQA."""
 
     def __init__(self):
         super().__init__()
-        self.wq = nn.Linear(D, HQ * D, bias=False)
-        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
-        self.register_buffer("k_cache", torch.zeros(B, HKV, S, D))
-        self.register_buffer("v_cache", torch.zeros(B, HKV, S, D))
         self.register_buffer("causal_mask", torch.tril(torch.ones(S, S, dtype=torch.bool)))
 
-    def forward(self, x, input_pos):
-        T = x.shape[1]
-        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
-        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
+    def store(self, x, input_pos):
+        """Project and store the new keys/values; returns ``q, k, v`` with heads on axis 1."""
+        q, k, v = self.project(x)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         self.k_cache[:, :, input_pos] = k
         self.v_cache[:, :, input_pos] = v
+        return q, k, v
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
         mask = self.causal_mask[None, None, input_pos]
         keys = self.k_cache.repeat_interleave(HQ // HKV, dim=1)
         values = self.v_cache.repeat_interleave(HQ // HKV, dim=1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
-class IndexCopyStyle(nn.Module):
+class IndexCopyStyle(Projections):
     """Hugging Face StaticCache: ``index_copy_(2, cache_position, k)``, expand + reshape GQA."""
 
     def __init__(self):
-        super().__init__()
-        self.wq = nn.Linear(D, HQ * D, bias=False)
-        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
-        self.register_buffer("keys", torch.zeros(B, HKV, S, D))
-        self.register_buffer("values", torch.zeros(B, HKV, S, D))
+        super().__init__(names=("keys", "values"))
 
     def forward(self, x, cache_position):
-        T = x.shape[1]
-        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
-        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
-        self.keys.index_copy_(2, cache_position, k)
-        self.values.index_copy_(2, cache_position, v)
+        q, k, v = self.project(x)
+        self.keys.index_copy_(2, cache_position, k.transpose(1, 2))
+        self.values.index_copy_(2, cache_position, v.transpose(1, 2))
         slen = self.keys.shape[2]
         mask = torch.arange(slen)[None, :] <= cache_position[:, None]
         n_rep = HQ // HKV
@@ -55,20 +67,14 @@ class IndexCopyStyle(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])
 
 
-class IndexPutBSHD(nn.Module):
+class IndexPutBSHD(Projections):
     """A ``[B, S, H, D]`` cache written by ``index_put_((rows, positions), k)``; enable_gqa."""
 
     def __init__(self):
-        super().__init__()
-        self.wq = nn.Linear(D, HQ * D, bias=False)
-        self.wkv = nn.Linear(D, 2 * HKV * D, bias=False)
-        self.register_buffer("k_cache", torch.zeros(B, S, HKV, D))
-        self.register_buffer("v_cache", torch.zeros(B, S, HKV, D))
+        super().__init__(cache_shape=(B, S, HKV, D))
 
     def forward(self, x, positions):
-        T = x.shape[1]
-        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
-        k, v = self.wkv(x).view(B, T, 2 * HKV, D).split(HKV, dim=2)
+        q, k, v = self.project(x)
         rows = torch.arange(B)[:, None]
         self.k_cache.index_put_((rows, positions), k)
         self.v_cache.index_put_((rows, positions), v)
@@ -95,11 +101,7 @@ class CacheThenConcat(GptFastStyle):
     """Attention over ``cat([cache, new])``: a cache read the passes cannot classify."""
 
     def forward(self, x, input_pos):
-        T = x.shape[1]
-        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
-        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
-        self.k_cache[:, :, input_pos] = k
-        self.v_cache[:, :, input_pos] = v
+        q, k, v = self.store(x, input_pos)
         keys = torch.cat([self.k_cache, k], dim=2)  # UNCLASSIFIABLE-READ
         values = torch.cat([self.v_cache, v], dim=2)
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
@@ -109,11 +111,7 @@ class MatmulOverCache(GptFastStyle):
     """Hand-written attention over the cache: not SDPA, so it cannot be sharded."""
 
     def forward(self, x, input_pos):
-        T = x.shape[1]
-        q = self.wq(x).view(B, T, HQ, D).transpose(1, 2)
-        k, v = self.wkv(x).view(B, T, 2 * HKV, D).transpose(1, 2).split(HKV, dim=1)
-        self.k_cache[:, :, input_pos] = k
-        self.v_cache[:, :, input_pos] = v
+        q, _, _ = self.store(x, input_pos)
         scores = q[:, :HKV] @ self.k_cache.transpose(-1, -2)  # MATMUL-READ
         return scores.softmax(-1) @ self.v_cache
 

@@ -76,8 +76,7 @@ def test_unclassifiable_cache_read_names_the_source_line(module_cls, marker, exp
 def test_batch_index_must_be_arange():
     class PermutedRows(graphs.IndexPutBSHD):
         def forward(self, x, positions):
-            T = x.shape[1]
-            k = self.wkv(x).view(graphs.B, T, 2 * graphs.HKV, graphs.D)[:, :, : graphs.HKV]
+            _, k, _ = self.project(x)
             rows = torch.tensor([1, 0])[:, None]
             self.k_cache.index_put_((rows, positions), k)
             return self.k_cache.sum()
