@@ -48,6 +48,10 @@ class Backend:
     role: str = "target"
     lowering: str = "inductor"
     """``"inductor"`` (the real path) or ``"aot_eager"`` (no codegen; fast CPU tests)."""
+    verify: bool = False
+    """Target verify graphs: the new tokens' K/V wait in staging slots for
+    ``KVCommit`` instead of going to their owners (needs ``prepare(verify_tokens=...)``).
+    A group of size 1 writes in place, as plain ``torch.compile`` does."""
     check_positions: bool = True
     """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
     device-to-host sync per call on GPU."""
@@ -104,7 +108,7 @@ class Backend:
         if self.role == "draft":
             passes = draft_passes()
         elif self.group.size > 1:
-            passes = target_passes(records[0].layout, self.group.group_name)
+            passes = target_passes(records[0].layout, self.group.group_name, self._staging_first_slot(plan, records))
         else:
             passes = []
         if self.dump_dir is not None:
@@ -113,6 +117,18 @@ class Backend:
         self.compiled.append(CompiledGraph(gm, plan, timings))
         compiled = self._lower(gm, example_inputs)
         return self._guard_positions(compiled, plan, records)
+
+    def _staging_first_slot(self, plan: Plan, records: list[CacheRecord]) -> int | None:
+        if not self.verify:
+            return None
+        tokens = max(_tokens_per_sequence(w) for w in plan.writes)
+        reserved = min(r.verify_tokens for r in records)
+        if tokens > reserved:
+            raise ValueError(
+                f"this verify graph brings {tokens} new tokens per sequence but prepare reserved "
+                f"verify_tokens={reserved} staging slots; call dcp.prepare(..., verify_tokens={tokens}) or more"
+            )
+        return records[0].layout.local_cache_len
 
     def _lower(self, gm: GraphModule, example_inputs: Sequence):
         if self.lowering == "inductor":
@@ -144,13 +160,21 @@ class Backend:
         return run
 
 
+def _tokens_per_sequence(write) -> int:
+    tags, shape = write.index.position_tags, write.index.position_shape
+    return shape[tags.index("T")] if "T" in tags else 1
+
+
 def backend(
     group: DCPGroup,
     role: str = "target",
     *,
+    verify: bool = False,
     lowering: str = "inductor",
     check_positions: bool = True,
     dump_dir: str | Path | None = None,
 ) -> Backend:
     """A torch.compile backend for ``role`` (``"target"`` or ``"draft"``) on ``group``."""
-    return Backend(group, role, lowering, check_positions, Path(dump_dir) if dump_dir is not None else None)
+    if verify and role != "target":
+        raise ValueError("verify=True applies to target graphs; draft graphs are never sharded")
+    return Backend(group, role, lowering, verify, check_positions, Path(dump_dir) if dump_dir is not None else None)

@@ -2,6 +2,7 @@
 
 Target (after shard_kv_writes + shard_attention):
 - exactly one merge and one collective per attention site found by ``find``;
+- each write stores at local slots (owner-or-trash, or staging for verify graphs);
 - each cache buffer is used only by its write and by the cascade's prefix read, so no
   node reads a full-length KV tensor.
 
@@ -21,7 +22,7 @@ from torch.fx import GraphModule
 
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.fx_utils import where
-from dcp_compile.passes.kv_index import cache_BHSD, positions_node
+from dcp_compile.passes.kv_index import cache_BHSD, local_slots, positions_node, staging_slots
 from dcp_compile.passes.shard_attention import ALL_GATHER, merge_gathered
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
@@ -41,6 +42,8 @@ def check_target(gm: GraphModule, plan: Plan) -> GraphModule:
     assert counts[merge_gathered] == sites, f"expected {sites} merges, found {counts[merge_gathered]}"
     assert counts[ALL_GATHER] == sites, f"expected {sites} all-gathers, found {counts[ALL_GATHER]}"
     for write in plan.writes:
+        stored_at = positions_node(write.node, write.index)
+        assert stored_at.target in (local_slots, staging_slots), f"KV write {where(write.node)} still stores at global positions"
         for user in write.cache.node.users:
             ok = user is write.node or (user.target is cache_BHSD and user.op == "call_function")
             assert ok, f"KV cache {write.cache.name} is still read in full by {where(user)}"

@@ -249,6 +249,19 @@ def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: in
     return torch.where(mine, kvlayout.local_slot(positions, size, interleave), trash)
 
 
+def staging_slots(positions: torch.Tensor, *, shape, tags, first_slot: int) -> torch.Tensor:
+    """Slots a verify graph parks its new tokens in: the ``t``-th new token of every
+    sequence goes to ``first_slot + t``, whoever owns its position.  A commit later moves
+    the accepted ones to their owner slots, so rejected (or tree) tokens never land in a
+    slot that attention reads."""
+    slots = torch.full(shape, first_slot, dtype=positions.dtype, device=positions.device)
+    if "T" in tags:
+        axis = tags.index("T")
+        steps = torch.arange(shape[axis], dtype=positions.dtype, device=positions.device)
+        slots = slots + steps.view([shape[axis] if i == axis else 1 for i in range(len(shape))])
+    return slots
+
+
 def prefix_lengths(positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int) -> torch.Tensor:
     """Local slots holding global positions before each sequence's first new token, ``[B]``."""
     start = positions_BT.amin(dim=1)

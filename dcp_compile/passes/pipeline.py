@@ -29,9 +29,10 @@ class PassTiming:
     seconds: float
 
 
-def target_passes(layout: KVLayout, group_name: str) -> list[Pass]:
+def target_passes(layout: KVLayout, group_name: str, staging_first_slot: int | None = None) -> list[Pass]:
+    """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit."""
     return [
-        functools.partial(shard_kv_writes, layout=layout),
+        functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot),
         functools.partial(shard_attention, layout=layout, group_name=group_name),
         check_target,
     ]

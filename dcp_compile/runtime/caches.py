@@ -32,6 +32,9 @@ class CacheRecord:
     """The layout the buffer is stored in; size 1 for whole (draft or off-arm) caches."""
     global_shape: tuple[int, ...]
     """Shape of the buffer before prepare."""
+    verify_tokens: int = 0
+    """Staging slots after the trash slot, where verify graphs park new tokens until a
+    commit (sharded targets only)."""
 
     @property
     def sharded(self) -> bool:

@@ -94,8 +94,8 @@ def trace_graph(model: nn.Module, example_inputs: tuple):
     return captured["gm"], captured["inputs"]
 
 
-def _fingerprint(model: nn.Module, role: str, max_batch: int, max_seq_len: int, interleave: int) -> int:
-    digest = hashlib.sha256(f"{type(model).__qualname__}|{role}|{max_batch}|{max_seq_len}|{interleave}".encode())
+def _fingerprint(model: nn.Module, role: str, *prepare_args: int) -> int:
+    digest = hashlib.sha256(f"{type(model).__qualname__}|{role}|{prepare_args}".encode())
     for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in named:
             digest.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}".encode())
@@ -157,6 +157,7 @@ def prepare(
     max_seq_len: int,
     example_inputs: tuple | None = None,
     interleave: int = 1,
+    verify_tokens: int = 0,
 ) -> Prepared:
     """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
 
@@ -169,19 +170,24 @@ def prepare(
         example_inputs: positional arguments of one forward call, for the discovery
             trace; built from the forward signature when omitted.
         interleave: ``I``, consecutive positions stored on one rank.
+        verify_tokens: most new tokens per sequence a verify graph will bring (``k + 1``
+            for a chain of ``k`` drafts); a sharded target's caches get that many staging
+            slots after the trash slot. 0: no verify graphs.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("interleave", interleave)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(verify_tokens, int) or verify_tokens < 0:
+        raise ValueError(f"verify_tokens must be a non-negative int, got {verify_tokens!r}")
     sharded = role == "target" and group.size > 1
     if sharded and group.size * interleave > max_seq_len:
         raise ValueError(
             f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
             f"ranks would own no position. Use a group of at most {max_seq_len // interleave} ranks or a larger max_seq_len"
         )
-    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave), role)
+    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
     if example_inputs is None:
         device = next(model.parameters()).device
@@ -215,10 +221,12 @@ def prepare(
             )
         if sharded:
             local_shape = list(tensor.shape)
-            local_shape[cache.seq_dim] = layout.local_cache_len
+            local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
             tensor = torch.zeros(local_shape, dtype=tensor.dtype, device=tensor.device)
             module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
-        record = CacheRecord(qualname, role, cache.seq_dim, layout, tuple(inputs[cache.input_index].shape))
+        record = CacheRecord(
+            qualname, role, cache.seq_dim, layout, tuple(inputs[cache.input_index].shape), verify_tokens if sharded else 0
+        )
         register(tensor, record)
         records.append(record)
         kv_bytes += tensor.numel() * tensor.element_size()

@@ -76,3 +76,63 @@ def mismatch_worker(rank, size):
     except ValueError as error:
         return str(error)
     return None
+
+
+def verify_commit_worker(rank, size, k, rounds, seed):
+    """Prefill, then rounds of verify (k+1 tokens) + commit of a random accept count,
+    against the unsharded eager model fed the same tokens."""
+    from dcp_compile.runtime.commit import KVCommit
+    from dcp_compile.runtime.generate import pad_prompts
+    from dcp_compile.testing import make_prompts
+
+    group = dcp.init_group("cpu")
+    cfg = LlamaConfig()
+    reference, model = make_model(cfg), make_model(cfg)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, verify_tokens=k + 1)
+    decode = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    verify_backend = dcp.backend(group, verify=True, lowering="aot_eager")
+    verify = torch.compile(model, backend=verify_backend, fullgraph=True, dynamic=False)
+    commit = KVCommit(model)
+    commit_c = torch.compile(commit, backend="aot_eager", fullgraph=True, dynamic=False)
+    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    readable = caches[0].shape[2] - (k + 1)  # slots [0, S_loc] hold committed tokens and the trash slot
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens, positions, lengths = pad_prompts(make_prompts(), "cpu")
+    outs, refs, untouched = [], [], []
+    with torch.no_grad():
+        outs.append(decode(tokens, positions))
+        refs.append(reference(tokens, positions))
+        start = lengths.clone()
+        for _ in range(rounds):
+            proposal = torch.randint(0, cfg.vocab_size, (cfg.max_batch, k + 1), generator=gen)
+            pos = start[:, None] + torch.arange(k + 1)
+            before = [c[:, :, :readable].clone() for c in caches]
+            outs.append(verify(proposal, pos))
+            refs.append(reference(proposal, pos))
+            untouched.append(all(torch.equal(b, c[:, :, :readable]) for b, c in zip(before, caches)))
+            accepted = torch.randint(1, k + 2, (cfg.max_batch,), generator=gen)
+            if commit.needed:
+                commit_c(start, accepted)
+            start = start + accepted
+        token = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 1), generator=gen)
+        outs.append(decode(token, start[:, None]))
+        refs.append(reference(token, start[:, None]))
+    return dict(outs=outs, refs=refs, untouched=untouched, commit_needed=commit.needed,
+                verify_graph=verify_backend.compiled[0].graph_module.code)
+
+
+def verify_overflow_worker(rank, size):
+    """A verify graph with more new tokens than prepare reserved staging slots for."""
+    group = dcp.init_group("cpu")
+    cfg = LlamaConfig()
+    model = make_model(cfg)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, verify_tokens=2)
+    verify = torch.compile(model, backend=dcp.backend(group, verify=True, lowering="aot_eager"), fullgraph=True)
+    tokens = torch.zeros(cfg.max_batch, 3, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            verify(tokens, torch.arange(3).expand(cfg.max_batch, 3))
+    except Exception as error:  # Dynamo wraps the backend's ValueError
+        return str(error)
+    return None

@@ -1,0 +1,60 @@
+"""KVCommit: after acceptance, move the accepted tokens' K/V from staging to their owners.
+
+A sharded verify graph (``dcp.backend(group, verify=True)``) stores the ``t``-th new
+token of each sequence in staging slot ``S_loc + 1 + t`` of every target cache, so
+rejected tokens never reach a slot that attention reads.  Once the runtime knows how
+many tokens each sequence accepted, ``KVCommit(start, accepted)`` copies staging slot
+``t < accepted[b]`` to the owner slot of position ``start[b] + t`` on the rank that owns
+it (the others write to their trash slot).  Static shapes, no data-dependent control
+flow: it compiles to one small graph.
+
+On a group of size 1 the verify graph already wrote in place (plain torch.compile
+semantics; later tokens overwrite rejected ones), so the commit does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dcp_compile.passes.kv_index import cache_BHSD, local_slots
+from dcp_compile.runtime.caches import CacheRecord, record_for
+
+
+class KVCommit(nn.Module):
+    """``forward(start [B], accepted [B])``: commit ``accepted[b]`` tokens from position
+    ``start[b]`` of every sequence, for every staged target cache of ``model``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self._records: list[CacheRecord] = []
+        for index, (name, buffer) in enumerate(model.named_buffers()):
+            record = record_for(buffer)
+            if record is not None and record.role == "target" and record.sharded:
+                if record.verify_tokens == 0:
+                    raise ValueError(
+                        f"KV cache {name} has no staging slots; prepare the target with verify_tokens=k+1 "
+                        f"to compile verify graphs and commit their tokens"
+                    )
+                self.register_buffer(f"cache_{index}", buffer, persistent=False)
+                self._records.append(record)
+
+    @property
+    def needed(self) -> bool:
+        """False on a group of size 1, where verify graphs write in place."""
+        return bool(self._records)
+
+    def forward(self, start: torch.Tensor, accepted: torch.Tensor) -> None:
+        for record, cache in zip(self._records, self.buffers()):
+            layout = record.layout
+            steps = torch.arange(record.verify_tokens, device=start.device)
+            positions = start[:, None] + steps  # [B, T]
+            slots = local_slots(
+                positions, size=layout.size, rank=layout.rank, interleave=layout.interleave, max_seq_len=layout.max_seq_len
+            )
+            slots = torch.where(steps < accepted[:, None], slots, layout.trash_slot)
+            view = cache_BHSD(cache, seq_dim=record.seq_dim)
+            first = layout.local_cache_len
+            staged = view[:, :, first : first + record.verify_tokens].transpose(1, 2).clone()  # [B, T, H, D]
+            rows = torch.arange(view.shape[0], device=start.device)[:, None]
+            view[rows, :, slots] = staged
