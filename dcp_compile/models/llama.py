@@ -43,6 +43,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     gqa: str = "enable_gqa"
     """How attention maps query heads to KV heads: one of ``GQA_FORMS``."""
+    aux_layers: tuple[int, ...] = ()
+    """Hidden states to return beside the logits, for EAGLE drafts: index ``i < n_layers``
+    is the hidden state entering layer ``i``; ``n_layers`` is the final normed hidden
+    state the LM head reads.  Empty: ``forward`` returns the logits alone."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads or self.dim % self.n_heads:
@@ -52,6 +56,10 @@ class LlamaConfig:
             )
         if self.gqa not in GQA_FORMS:
             raise ValueError(f"gqa must be one of {GQA_FORMS}, got {self.gqa!r}")
+        if any(not 0 <= i <= self.n_layers for i in self.aux_layers) or list(self.aux_layers) != sorted(set(self.aux_layers)):
+            raise ValueError(
+                f"aux_layers must be increasing layer indices in [0, n_layers={self.n_layers}], got {self.aux_layers}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -83,13 +91,14 @@ def apply_rope(x_BTHD: torch.Tensor, cos_BTF: torch.Tensor, sin_BTF: torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, in_features: int | None = None):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        in_features = in_features or cfg.dim
+        self.wq = nn.Linear(in_features, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         cache_shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, hd)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
@@ -147,7 +156,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32)."""
+    """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
+    ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -163,12 +173,21 @@ class Llama(nn.Module):
         self.rope_cos.data = self.rope_cos.float()
         self.rope_sin.data = self.rope_sin.float()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for layer in self.layers:
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in self.cfg.aux_layers:
+                hidden.append(x)
             x = layer(x, positions, cos, sin)
-        return self.output(self.norm(x)).float()
+        x = self.norm(x)
+        logits = self.output(x).float()
+        if not self.cfg.aux_layers:
+            return logits
+        if self.cfg.n_layers in self.cfg.aux_layers:
+            hidden.append(x)
+        return logits, torch.cat(hidden, dim=-1)
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.08) -> nn.Module:

@@ -136,3 +136,49 @@ def verify_overflow_worker(rank, size):
     except Exception as error:  # Dynamo wraps the backend's ValueError
         return str(error)
     return None
+
+
+def draft_and_aux_worker(rank, size, kind):
+    """A DCP target returning EAGLE features, and a whole draft compiled on the same group."""
+    from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
+    from dcp_compile.models.llama import init_weights
+
+    group = dcp.init_group("cpu")
+    n_layers = 4
+    aux = eagle3_aux_layers(n_layers) if kind == "eagle3" else (n_layers,)
+    tcfg = LlamaConfig(n_layers=n_layers, aux_layers=aux)
+    target, ref_target = make_model(tcfg), make_model(tcfg)
+    dcp.prepare(target, group, "target", max_batch=tcfg.max_batch, max_seq_len=tcfg.max_seq_len)
+    target_backend = dcp.backend(group, lowering="aot_eager")
+    target_c = torch.compile(target, backend=target_backend, fullgraph=True, dynamic=False)
+
+    dcfg = DraftConfig(tcfg, kind, n_features=len(aux), draft_vocab_size=64 if kind == "eagle3" else None)
+    draft, ref_draft = (init_weights(EagleDraft(dcfg), 5).eval() for _ in range(2))
+    if kind == "eagle3":
+        for d in (draft, ref_draft):
+            d.d2t.copy_(torch.arange(64) * 3 % tcfg.vocab_size - torch.arange(64))
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, tcfg.vocab_size, (tcfg.max_batch, 6), generator=gen)
+    positions = torch.arange(6).expand(tcfg.max_batch, 6).contiguous()
+    features = torch.zeros(tcfg.max_batch, 1, len(aux) * tcfg.dim)
+    dcp.prepare(draft, group, "draft", max_batch=tcfg.max_batch, max_seq_len=tcfg.max_seq_len,
+                example_inputs=(tokens[:, :1], positions[:, :1], features))
+    draft_backend = dcp.backend(group, "draft", lowering="aot_eager")
+    draft_c = torch.compile(draft, backend=draft_backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        logits, hidden = target_c(tokens, positions)
+        ref_logits, ref_hidden = ref_target(tokens, positions)
+        d_logits, d_hidden = draft_c(tokens, positions, hidden)
+        r_logits, r_hidden = ref_draft(tokens, positions, ref_hidden)
+        step = (tokens[:, :1], positions[:, -1:] + 1, d_hidden[:, -1:])
+        s_logits, _ = draft_c(*step)
+        rs_logits, _ = ref_draft(tokens[:, :1], positions[:, -1:] + 1, r_hidden[:, -1:])
+    return dict(
+        pairs=[(logits, ref_logits), (hidden, ref_hidden), (d_logits, r_logits), (s_logits, rs_logits)],
+        hidden_width=hidden.shape[-1],
+        draft_vocab=d_logits.shape[-1],
+        target_ids=ref_draft.to_target_ids(torch.arange(d_logits.shape[-1])),
+        draft_collectives=[sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in draft_backend.compiled],
+        target_collectives=[sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in target_backend.compiled],
+        draft_cache=tuple(draft.attention.k_cache.shape),
+    )

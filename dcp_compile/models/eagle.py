@@ -1,0 +1,111 @@
+"""EAGLE and EAGLE3 draft models: one decoder layer over the target's features.
+
+Both keep their own KV cache, whole on every rank (``dcp.prepare(draft, group,
+role="draft", ...)``), written and read the same way as the target's, so the same
+``find`` pass sees them and ``check_draft`` proves they were left alone.
+
+- **EAGLE**: ``fc(cat(embed(token), feature))``, where the feature is the target's final
+  hidden state (``aux_layers=(n_layers,)``), then one decoder layer, then the target's
+  LM head.
+- **EAGLE3**: the hidden states entering three target layers (default ``2, L//2, L-3``)
+  go through ``fc: 3H -> H``; the decoder layer attends over
+  ``cat(norm(embed(token)), norm(hidden))`` (2H) with the residual on the hidden part;
+  its own LM head covers a draft vocabulary, mapped to target ids by ``d2t``
+  (target id = draft id + d2t[draft id]).  Later draft steps feed the draft's own
+  output hidden state instead of the target's features.
+
+``forward(tokens [B, T], positions [B, T], features) -> (logits [B, T, V_target], hidden
+[B, T, H])``; ``features`` is the target's ``[B, T, k*H]`` auxiliary hidden states or
+the draft's own previous ``[B, T, H]`` output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNorm, rope_tables
+
+
+def eagle3_aux_layers(n_layers: int) -> tuple[int, ...]:
+    """The target layers whose input hidden states EAGLE3 reads: ``2, L//2, L-3``."""
+    return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    target: LlamaConfig
+    """The target the draft proposes tokens for (width, heads, vocabulary, cache size)."""
+    kind: str = "eagle3"
+    """``"eagle3"`` or ``"eagle"``."""
+    n_features: int = 3
+    """EAGLE3: target hidden states concatenated into ``fc`` (len(aux_layers))."""
+    draft_vocab_size: int | None = None
+    """EAGLE3: size of the draft's own LM head; None means the target vocabulary."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"kind must be 'eagle' or 'eagle3', got {self.kind!r}")
+        if self.draft_vocab_size is not None and self.kind == "eagle":
+            raise ValueError("a reduced draft vocabulary is an EAGLE3 feature; EAGLE uses the target's LM head")
+
+
+class EagleDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        t = cfg.target
+        self.embed = nn.Embedding(t.vocab_size, t.dim)
+        if cfg.kind == "eagle":
+            self.fc = nn.Linear(2 * t.dim, t.dim, bias=False)
+            self.attention_norm = RMSNorm(t.dim, t.norm_eps)
+            self.attention = Attention(t, dtype)
+            self.head = nn.Linear(t.dim, t.vocab_size, bias=False)
+        else:
+            self.fc = nn.Linear(cfg.n_features * t.dim, t.dim, bias=False)
+            self.embed_norm = RMSNorm(t.dim, t.norm_eps)
+            self.hidden_norm = RMSNorm(t.dim, t.norm_eps)
+            self.attention = Attention(t, dtype, in_features=2 * t.dim)
+            vocab = cfg.draft_vocab_size or t.vocab_size
+            self.head = nn.Linear(t.dim, vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))
+        self.ffn_norm = RMSNorm(t.dim, t.norm_eps)
+        self.feed_forward = FeedForward(t)
+        self.norm = RMSNorm(t.dim, t.norm_eps)
+        cos, sin = rope_tables(t)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.to(device=device, dtype=dtype)
+        self.rope_cos.data, self.rope_sin.data = self.rope_cos.float(), self.rope_sin.float()
+        if cfg.kind == "eagle3":
+            self.d2t.data = self.d2t.long()
+
+    def share_target_weights(self, target: nn.Module) -> EagleDraft:
+        """Use the target's token embedding (and, for EAGLE, its LM head), as EAGLE does."""
+        self.embed.weight = target.tok_embeddings.weight
+        if self.cfg.kind == "eagle":
+            self.head.weight = target.output.weight
+        return self
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target vocabulary ids of draft vocabulary ids."""
+        return draft_ids + self.d2t[draft_ids] if self.cfg.kind == "eagle3" else draft_ids
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor):
+        dim = self.cfg.target.dim
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        embedded = self.embed(tokens)
+        if self.cfg.kind == "eagle":
+            hidden = self.fc(torch.cat([embedded, features], dim=-1))
+            h = hidden + self.attention(self.attention_norm(hidden), positions, cos, sin)
+        else:
+            # The target's k*H features enter through fc; the draft's own H-wide output
+            # hidden state (later steps) is used as it is.
+            hidden = self.fc(features) if features.shape[-1] != dim else features
+            attn_in = torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)
+            h = hidden + self.attention(attn_in, positions, cos, sin)
+        h = h + self.feed_forward(self.ffn_norm(h))
+        logits = self.head(self.norm(h)).float()
+        return logits, h
