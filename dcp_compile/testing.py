@@ -64,3 +64,43 @@ def _count_collectives(gm) -> int:
     from dcp_compile.passes.check import is_collective
 
     return sum(1 for n in gm.graph.nodes if is_collective(n))
+
+
+def agreeing_pair(
+    kind: str, *, noise: float, draft_noise: float | None = None, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96
+):
+    """A target and an EAGLE/EAGLE3 draft that agree most of the time.
+
+    The target is built to mostly repeat its input token: the LM head is the token
+    embedding (an identity bigram), and the layers add ``noise``-scaled random updates
+    that now and then change the argmax.  The draft passes the token (EAGLE: fc keeps
+    the embedding) or the target's features (EAGLE3: fc averages them) through to the
+    same head, with its own noise.  Agreement is high but imperfect, so a batch sees
+    every accept count from 0 to k.  For tests only: the weights are not a language model.
+    """
+    from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
+
+    n_layers = 4
+    aux = eagle3_aux_layers(n_layers) if kind == "eagle3" else (n_layers,)
+    cfg = LlamaConfig(vocab_size=32, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=96, n_layers=n_layers,
+                      max_seq_len=max_seq_len, max_batch=max_batch, aux_layers=aux)
+    target = make_model(cfg, seed)
+    draft = init_weights(EagleDraft(DraftConfig(cfg, kind, n_features=len(aux))), seed + 1).eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 2)
+        embedding = torch.randn(cfg.vocab_size, cfg.dim, generator=gen)
+        target.tok_embeddings.weight.copy_(embedding)
+        target.output.weight.copy_(4.0 * embedding / embedding.norm(dim=1, keepdim=True))
+        for layer in target.layers:
+            layer.attention.wo.weight.mul_(noise)
+            layer.feed_forward.w2.weight.mul_(noise)
+        draft.embed.weight.copy_(embedding)
+        draft.head.weight.copy_(target.output.weight)
+        eye = torch.eye(cfg.dim)
+        if kind == "eagle":
+            draft.fc.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], dim=1))
+        else:
+            draft.fc.weight.copy_(torch.cat([eye / len(aux)] * len(aux), dim=1))
+        draft.attention.wo.weight.mul_(noise if draft_noise is None else draft_noise)
+        draft.feed_forward.w2.weight.mul_(noise if draft_noise is None else draft_noise)
+    return target, draft

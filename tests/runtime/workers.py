@@ -182,3 +182,30 @@ def draft_and_aux_worker(rank, size, kind):
         target_collectives=[sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in target_backend.compiled],
         draft_cache=tuple(draft.attention.k_cache.shape),
     )
+
+
+SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=6.0, draft_noise=6.0)}
+
+
+def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
+    """Speculative decoding of four prompts with the agreeing test pair on ``size`` ranks."""
+    from dcp_compile.runtime.spec import SpecDecoder
+    from dcp_compile.testing import agreeing_pair
+
+    group = dcp.init_group("cpu")
+    target, draft = agreeing_pair(kind, **SPEC_FIXTURES[kind])
+    decoder = SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, temperature=temperature, seed=11,
+                          lowering="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
+    streamed = {i: [] for i in range(len(prompts))}
+    outputs = decoder.generate(prompts, max_new_tokens, on_tokens=lambda i, new: streamed[i].extend(new))
+    collectives = {
+        name: [sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in b.compiled]
+        for name, b in (("target", decoder.target_backend), ("verify", decoder.verify_backend), ("draft", decoder.draft_backend))
+    }
+    return dict(
+        tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
+        finished=[o.finished_by for o in outputs], streamed=[streamed[i] for i in range(len(prompts))],
+        collectives=collectives, draft_cache=tuple(draft.attention.k_cache.shape),
+    )

@@ -1,0 +1,278 @@
+"""Speculative decoding with EAGLE / EAGLE3 chain drafts over a DCP-sharded target.
+
+Every graph's role is fixed when it is compiled: the target's prefill and verify
+graphs are sharded (``dcp.backend(group, "target")``, ``verify=True``), the draft's
+extend and step graphs are whole (``dcp.backend(group, "draft")``).  Nothing is
+switched between draft and target calls.
+
+One step, for every sequence of the batch at once (static shapes, ragged counts):
+
+1. verify ``[t0, d1..dk]`` at positions ``L..L+k`` with the target: logits and the
+   EAGLE features of each position; the new K/V wait in staging slots;
+2. accept: greedy (the longest prefix where the target's argmax equals the draft, plus
+   the target's token after it) or rejection sampling (temperature > 0);
+3. commit the K/V of ``t0, d1..da`` to their owner slots;
+4. draft-extend over the accepted positions, which yields ``d1`` of the next step;
+5. draft ``d2..dk`` as a chain (one token per step).
+
+The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1`` and
+proposes token ``p + 2`` (the EAGLE convention).
+
+Sampling draws every random number from one CPU generator seeded identically on all
+ranks, and the merged logits are bitwise the same on all ranks, so every rank accepts
+the same tokens without communicating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dcp_compile.backend import backend as make_backend
+from dcp_compile.runtime.commit import KVCommit
+from dcp_compile.runtime.generate import pad_prompts
+from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.runtime.prepare import prepare
+
+
+@dataclass
+class RequestOutput:
+    tokens: list[int] = field(default_factory=list)
+    """Generated tokens (target vocabulary), EOS included when it ended the request."""
+    accepted: list[int] = field(default_factory=list)
+    """Per verify step: how many draft tokens the target accepted (0..k)."""
+    finished_by: str = ""
+    """``"eos"``, ``"length"`` or ``"refused"``."""
+    error: str | None = None
+    """Why the request was refused at admission."""
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens per verify step: accepted drafts plus the target's own token."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def accept_chain(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of ``drafts [B, k]`` the target accepts, and the token that follows them.
+
+    ``target_logits [B, k+1, V]``: the target's logits after ``t0, d1..dk``.
+
+    Greedy (temperature 0): accept ``d_j`` while it equals the target's argmax; the
+    next token is the target's argmax after the last accepted draft.
+
+    Sampling: accept ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
+    first rejection sample from ``norm(max(0, p_j - q_j))``; if all ``k`` are accepted,
+    sample the bonus from ``p_{k+1}``.  The emitted tokens are then distributed exactly
+    as the target's own samples (rejection sampling).
+    """
+    B, k = drafts.shape
+    if temperature == 0:
+        greedy = target_logits.argmax(-1)  # [B, k+1]
+        matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
+        accepted = matches.sum(dim=1)
+        return accepted, greedy.gather(1, accepted[:, None])[:, 0]
+    p = _probs(target_logits, temperature).cpu()  # [B, k+1, V]
+    q = draft_probs.double().cpu()
+    d = drafts.cpu()
+    p_d = p[:, :k].gather(2, d[..., None])[..., 0]
+    q_d = q.gather(2, d[..., None])[..., 0]
+    u = torch.rand(B, k, generator=generator, dtype=torch.float64)
+    ok = (u * q_d < p_d).long().cumprod(dim=1)
+    accepted = ok.sum(dim=1)
+    rows = torch.arange(B)
+    residual = p[rows, accepted.clamp(max=k - 1)] - q[rows, accepted.clamp(max=k - 1)]
+    residual = residual.clamp(min=0)
+    # All accepted: the bonus comes from the target alone.
+    bonus = p[rows, k]
+    weights = torch.where((accepted == k)[:, None], bonus, residual)
+    # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
+    nxt = torch.multinomial(weights / weights.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+    return accepted.to(drafts.device), nxt.to(drafts.device)
+
+
+class SpecDecoder:
+    """EAGLE / EAGLE3 chain speculative decoding over a DCP group.
+
+    ``target``: a model whose forward is ``(tokens, positions) -> (logits, features)``
+    (e.g. ``Llama`` with ``aux_layers``).  ``draft``: an ``EagleDraft`` built for it.
+    """
+
+    def __init__(
+        self,
+        target: nn.Module,
+        draft: nn.Module,
+        group: DCPGroup,
+        *,
+        k: int,
+        max_batch: int,
+        max_seq_len: int,
+        topk: int = 1,
+        temperature: float = 0.0,
+        seed: int = 0,
+        lowering: str = "inductor",
+    ):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        if topk != 1:
+            raise ValueError(
+                f"topk={topk} asks for tree drafts, which are not supported yet: only chain drafts (topk=1) "
+                f"are implemented. Use topk=1"
+            )
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        target_vocab = target.cfg.vocab_size
+        if draft.cfg.target.vocab_size != target_vocab:
+            raise ValueError(
+                f"the draft was built for a target vocabulary of {draft.cfg.target.vocab_size} tokens but the target "
+                f"has {target_vocab}, and no draft-to-target map covers the difference; build the draft with "
+                f"DraftConfig(target=target.cfg, ...) (an EAGLE3 draft vocabulary maps to target ids through d2t)"
+            )
+        if not target.cfg.aux_layers:
+            raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
+        self.target, self.draft, self.group = target, draft, group
+        self.k, self.temperature, self.seed = k, temperature, seed
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.device = group.device
+        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
+        feature_width = target.cfg.dim * len(target.cfg.aux_layers)
+        draft_example = (
+            torch.zeros(max_batch, 1, dtype=torch.long, device=self.device),
+            torch.zeros(max_batch, 1, dtype=torch.long, device=self.device),
+            torch.zeros(max_batch, 1, feature_width, device=self.device, dtype=draft.fc.weight.dtype),
+        )
+        prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
+
+        self.target_backend = make_backend(group, "target", lowering=lowering)
+        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering)
+        self.draft_backend = make_backend(group, "draft", lowering=lowering)
+        self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
+        self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
+        self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
+        self.commit = KVCommit(target)
+        commit_backend = "inductor" if lowering == "inductor" else lowering
+        self.commit_c = torch.compile(self.commit, backend=commit_backend, fullgraph=True, dynamic=False)
+
+    def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        probs = _probs(logits, self.temperature).cpu()
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+    def _draft_propose(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token (target ids) and, when sampling, the draft's distribution over target ids."""
+        vocab = self.target.cfg.vocab_size
+        ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        if self.temperature == 0:
+            return ids[logits.argmax(-1)], None
+        q_draft = _probs(logits, self.temperature)
+        q = torch.zeros(logits.shape[0], vocab, dtype=q_draft.dtype, device=logits.device).index_add_(1, ids, q_draft)
+        token = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(logits.device)
+        return token, q
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        eos_id: int | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Decode every prompt; ``on_tokens(request, new_tokens)`` streams as tokens are accepted."""
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}; split the batch")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        k, B, dev = self.k, self.max_batch, self.device
+        outputs = [RequestOutput() for _ in prompts]
+        rows_prompts: list[Sequence[int]] = []
+        for i, prompt in enumerate(prompts):
+            need = len(prompt) + max_new_tokens + k + 1
+            if len(prompt) == 0 or need > self.max_seq_len:
+                outputs[i].finished_by, outputs[i].error = "refused", (
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + verify window {k + 1} needs "
+                    f"{need} cache positions; the cache holds max_seq_len={self.max_seq_len}"
+                    if prompt else "empty prompt"
+                )
+                rows_prompts.append([0])
+            else:
+                rows_prompts.append(prompt)
+        rows_prompts += [[0]] * (B - len(prompts))
+        active = torch.tensor([o.finished_by == "" for o in outputs] + [False] * (B - len(prompts)), device=dev)
+        generator = torch.Generator().manual_seed(self.seed)
+        rows = torch.arange(B, device=dev)
+
+        def emit(new_tokens: torch.Tensor, counts: torch.Tensor) -> None:
+            for i, out in enumerate(outputs):
+                if not bool(active[i]):
+                    continue
+                fresh = new_tokens[i, : int(counts[i])].tolist()
+                fresh = fresh[: max_new_tokens - len(out.tokens)]
+                if eos_id is not None and eos_id in fresh:
+                    fresh = fresh[: fresh.index(eos_id) + 1]
+                    out.finished_by = "eos"
+                out.tokens += fresh
+                if not out.finished_by and len(out.tokens) >= max_new_tokens:
+                    out.finished_by = "length"
+                if fresh and on_tokens is not None:
+                    on_tokens(i, fresh)
+                if out.finished_by:
+                    active[i] = False
+
+        tokens, positions, lengths = pad_prompts(rows_prompts, dev)
+        logits, features = self.target_prefill(tokens, positions)
+        current = self._choose(logits[rows, lengths - 1], generator)
+        emit(current[:, None], torch.ones(B, dtype=torch.long))
+        draft_tokens = tokens.roll(-1, dims=1)
+        draft_tokens[rows, lengths - 1] = current
+        draft_logits, draft_hidden = self.draft_forward(draft_tokens, positions, features)
+        q_logits, hidden = draft_logits[rows, lengths - 1], draft_hidden[rows, lengths - 1][:, None]
+        length = lengths.clone()  # committed target tokens; `current` sits at position `length`
+
+        steps = torch.arange(k + 1, device=dev)
+        while bool(active.any()):
+            drafts, draft_probs = [], []
+            for j in range(k):
+                token, q = self._draft_propose(q_logits, generator)
+                drafts.append(token)
+                draft_probs.append(q)
+                if j < k - 1:
+                    step_logits, step_hidden = self.draft_forward(token[:, None], (length + j)[:, None], hidden)
+                    q_logits, hidden = step_logits[:, 0], step_hidden
+            drafts = torch.stack(drafts, dim=1)  # [B, k]
+            verify_tokens = torch.cat([current[:, None], drafts], dim=1)
+            verify_positions = length[:, None] + steps
+            logits, features = self.target_verify(verify_tokens, verify_positions)
+            probs = torch.stack(draft_probs, dim=1) if self.temperature > 0 else None
+            accepted, bonus = accept_chain(logits, drafts, probs, self.temperature, generator)
+            accepted = torch.where(active, accepted, 0)
+            for i, out in enumerate(outputs):
+                if bool(active[i]):
+                    out.accepted.append(int(accepted[i]))
+            new_tokens = torch.cat([drafts, bonus[:, None]], dim=1)
+            new_tokens[rows, accepted] = bonus
+            was_active = active.clone()
+            emit(new_tokens, accepted + 1)
+            committed = torch.where(was_active, accepted + 1, 0)
+            self.commit_c(length, committed)
+            # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
+            extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
+            extend_logits, extend_hidden = self.draft_forward(extend_tokens, verify_positions, features)
+            q_logits, hidden = extend_logits[rows, accepted], extend_hidden[rows, accepted][:, None]
+            length = torch.where(was_active, length + accepted + 1, length)
+            current = torch.where(was_active, bonus, current)
+        return outputs

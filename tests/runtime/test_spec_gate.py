@@ -1,0 +1,47 @@
+"""The correctness gate: speculative decoding on a DCP group gives the off arm's tokens
+and accept counts exactly."""
+
+import pytest
+
+from dcp_compile.runtime.launch import spawn_ranks
+from tests.runtime.workers import spec_worker
+
+K = 4
+
+
+def run(size, kind, temperature=0.0, max_new_tokens=40):
+    results = spawn_ranks(spec_worker, size, kind, K, temperature, max_new_tokens, timeout=900)
+    for r in results[1:]:
+        assert r["tokens"] == results[0]["tokens"] and r["accepted"] == results[0]["accepted"], "ranks disagree"
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def off_arm():
+    return {kind: run(1, kind) for kind in ("eagle3", "eagle")}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_eagle3_gate(size, off_arm):
+    dcp_arm = run(size, "eagle3")
+    assert dcp_arm["tokens"] == off_arm["eagle3"]["tokens"]
+    assert dcp_arm["accepted"] == off_arm["eagle3"]["accepted"]
+    seen = {a for row in dcp_arm["accepted"] for a in row}
+    assert seen == set(range(K + 1)), f"the batch must exercise every accept count 0..{K}, saw {sorted(seen)}"
+    assert dcp_arm["finished"] == ["length"] * 4 and all(len(t) == 40 for t in dcp_arm["tokens"])
+    assert dcp_arm["streamed"] == dcp_arm["tokens"]
+    assert dcp_arm["collectives"]["draft"] == [0, 0, 0], "draft prefill, step and extend graphs: no collective"
+    assert set(dcp_arm["collectives"]["verify"]) == {8}, "verify: one all-gather + wait per target layer"
+    assert dcp_arm["draft_cache"] == (4, 2, 96, 16), "the draft cache stays whole"
+
+
+def test_eagle_gate(off_arm):
+    dcp_arm = run(2, "eagle")
+    assert dcp_arm["tokens"] == off_arm["eagle"]["tokens"]
+    assert dcp_arm["accepted"] == off_arm["eagle"]["accepted"]
+    assert len({a for row in dcp_arm["accepted"] for a in row}) >= 3
+
+
+def test_sampling_gate():
+    off, dcp_arm = run(1, "eagle3", temperature=0.8, max_new_tokens=24), run(2, "eagle3", temperature=0.8, max_new_tokens=24)
+    assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
