@@ -1,0 +1,91 @@
+"""Acceptance rules and the SpecDecoder's input checks (single process)."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig
+from dcp_compile.runtime.spec import SpecDecoder, accept_chain
+from dcp_compile.testing import agreeing_pair, make_model
+
+# chi-square critical value, 4 degrees of freedom, p = 0.001
+CHI2_CRITICAL_DF4 = 18.467
+
+
+def test_greedy_accepts_the_matching_prefix_plus_the_target_token():
+    target_logits = torch.full((3, 4, 6), -5.0)
+    # target argmax after t0, d1, d2, d3: rows choose different tokens
+    target_argmax = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 4], [0, 2, 3, 4]])
+    target_logits.scatter_(2, target_argmax[..., None], 5.0)
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    accepted, nxt = accept_chain(target_logits, drafts, None, 0.0, None)
+    assert accepted.tolist() == [3, 1, 0]
+    assert nxt.tolist() == [4, 5, 0]
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """The first emitted token follows p, whatever the draft q proposes."""
+    vocab, k, n = 5, 2, 60000
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.tensor([[0.3, 1.2, -0.5, 0.8, 0.0], [1.0, 0.0, 0.5, -1.0, 0.2], [0.0, 0.4, 0.4, 0.1, -0.3]])
+    draft_logits = torch.tensor([[1.5, -0.5, 0.5, 0.0, 0.7], [0.0, 1.0, -0.2, 0.3, 0.9]])
+    temperature = 0.9
+    p = torch.softmax(target_logits.double() / temperature, -1)
+    q = torch.softmax(draft_logits.double() / temperature, -1)
+    drafts = torch.multinomial(q.expand(n, k, vocab).reshape(-1, vocab), 1, replacement=True, generator=gen).view(n, k)
+    accepted, nxt = accept_chain(target_logits.expand(n, k + 1, vocab), drafts, q.expand(n, k, vocab), temperature, gen)
+    first = torch.where(accepted > 0, drafts[:, 0], nxt)
+    observed = torch.bincount(first, minlength=vocab).double()
+    expected = n * p[0]
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRITICAL_DF4, f"first-token histogram {observed.tolist()} vs expected {expected.tolist()}"
+    # the test has power: the draft's own distribution is rejected by the same statistic
+    chi2_q = float(((observed - n * q[0]) ** 2 / (n * q[0])).sum())
+    assert chi2_q > 10 * CHI2_CRITICAL_DF4
+    assert 0 < accepted.double().mean() < k
+
+
+def decoder(**overrides):
+    target, draft = agreeing_pair("eagle3", noise=3.0)
+    args = dict(k=2, max_batch=4, max_seq_len=96, lowering="aot_eager") | overrides
+    return SpecDecoder(target, draft, dcp.init_group("cpu"), **args)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(k=0), r"k \(draft tokens per step\) must be an int >= 1"),
+        (dict(topk=2), "tree drafts, which are not supported yet: only chain drafts"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+    ],
+)
+def test_bad_decoder_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        decoder(**overrides)
+
+
+def test_draft_for_another_vocabulary_is_refused():
+    cfg = LlamaConfig(aux_layers=(2,))
+    other = EagleDraft(DraftConfig(LlamaConfig(vocab_size=128), "eagle"))
+    with pytest.raises(ValueError, match="target vocabulary of 128 tokens but the target has 256"):
+        SpecDecoder(make_model(cfg), other, dcp.init_group("cpu"), k=2, max_batch=3, max_seq_len=64)
+
+
+def test_too_long_request_is_refused_and_the_others_are_untouched():
+    prompts = [[1, 2, 3], list(range(32)) * 3, [4, 5]]
+    together = decoder().generate(prompts, 10)
+    torch._dynamo.reset()
+    alone = decoder().generate([prompts[0], prompts[2]], 10)
+    assert together[1].finished_by == "refused" and together[1].tokens == []
+    assert "needs 109 cache positions; the cache holds max_seq_len=96" in together[1].error
+    assert [together[0].tokens, together[2].tokens] == [alone[0].tokens, alone[1].tokens]
+    assert [together[0].accepted, together[2].accepted] == [alone[0].accepted, alone[1].accepted]
+
+
+def test_eos_stops_a_request():
+    outputs = decoder().generate([[7, 7, 7]], 30)
+    eos = outputs[0].tokens[4]
+    torch._dynamo.reset()
+    stopped = decoder().generate([[7, 7, 7]], 30, eos_id=eos)[0]
+    assert stopped.finished_by == "eos" and stopped.tokens[-1] == eos
+    assert stopped.tokens == outputs[0].tokens[: outputs[0].tokens.index(eos) + 1]
