@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNorm, rope_tables
+from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNorm, RopeTables
 
 
 def eagle3_aux_layers(n_layers: int) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ class DraftConfig:
             raise ValueError("a reduced draft vocabulary is an EAGLE3 feature; EAGLE uses the target's LM head")
 
 
-class EagleDraft(nn.Module):
+class EagleDraft(RopeTables):
     def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.cfg = cfg
@@ -74,13 +74,8 @@ class EagleDraft(nn.Module):
         self.ffn_norm = RMSNorm(t.dim, t.norm_eps)
         self.feed_forward = FeedForward(t)
         self.norm = RMSNorm(t.dim, t.norm_eps)
-        cos, sin = rope_tables(t)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_rope(t)
         self.to(device=device, dtype=dtype)
-        self.rope_cos.data, self.rope_sin.data = self.rope_cos.float(), self.rope_sin.float()
-        if cfg.kind == "eagle3":
-            self.d2t.data = self.d2t.long()
 
     def share_target_weights(self, target: nn.Module) -> EagleDraft:
         """Use the target's token embedding (and, for EAGLE, its LM head), as EAGLE does."""

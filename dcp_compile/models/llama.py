@@ -84,6 +84,24 @@ def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
+class RopeTables(nn.Module):
+    """Keeps the ``rope_cos``/``rope_sin`` buffers in fp32 whatever dtype the weights are
+    cast to: rounding the tables to bf16 would perturb every position's rotation."""
+
+    def _init_rope(self, cfg: LlamaConfig) -> None:
+        self._rope_config = cfg
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = self.rope_cos.device
+        cos, sin = rope_tables(self._rope_config)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        return self
+
+
 def apply_rope(x_BTHD: torch.Tensor, cos_BTF: torch.Tensor, sin_BTF: torch.Tensor) -> torch.Tensor:
     x1, x2 = x_BTHD.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
@@ -155,7 +173,7 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
+class Llama(RopeTables):
     """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
     ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set."""
 
@@ -166,12 +184,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_rope(cfg)
         self.to(device=device, dtype=dtype)
-        self.rope_cos.data = self.rope_cos.float()
-        self.rope_sin.data = self.rope_sin.float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
         x = self.tok_embeddings(tokens)
