@@ -163,8 +163,7 @@ class SpecDecoder:
         self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
         self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         self.commit = KVCommit(target)
-        commit_backend = "inductor" if lowering == "inductor" else lowering
-        self.commit_c = torch.compile(self.commit, backend=commit_backend, fullgraph=True, dynamic=False)
+        self.commit_c = torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
 
     def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
         if self.temperature == 0:
