@@ -204,7 +204,11 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
         name: [sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in b.compiled]
         for name, b in (("target", decoder.target_backend), ("verify", decoder.verify_backend), ("draft", decoder.draft_backend))
     }
+    from dcp_compile.passes.shard_attention import ALL_GATHER
+
+    verify_all_gathers = [sum(n.target is ALL_GATHER for n in c.graph_module.graph.nodes) for c in decoder.verify_backend.compiled]
     return dict(
+        verify_all_gathers=verify_all_gathers,
         tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
         finished=[o.finished_by for o in outputs], streamed=[streamed[i] for i in range(len(prompts))],
         collectives=collectives, draft_cache=tuple(draft.attention.k_cache.shape),
