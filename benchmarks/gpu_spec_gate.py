@@ -24,7 +24,7 @@ import dcp_compile as dcp
 from dcp_compile.runtime.spec import SpecDecoder
 from dcp_compile.testing import agreeing_pair
 
-FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=6.0, draft_noise=6.0)}
+FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2)}
 PROMPT_LENGTHS = (3, 9, 14, 20, 40, 64, 100, 150)
 K, NEW_TOKENS = 4, 64
 

@@ -73,9 +73,9 @@ def agreeing_pair(
 
     The target is built to mostly repeat its input token: the LM head is the token
     embedding (an identity bigram), and the layers add ``noise``-scaled random updates
-    that now and then change the argmax.  The draft passes the token (EAGLE: fc keeps
-    the embedding) or the target's features (EAGLE3: fc averages them) through to the
-    same head, with its own noise.  Agreement is high but imperfect, so a batch sees
+    that now and then change the argmax.  The draft passes the target's features through
+    to the same head (EAGLE: fc keeps the final-hidden half of its input; EAGLE3: fc
+    averages the three features), with its own noise.  Agreement is high but imperfect, so a batch sees
     every accept count from 0 to k.  For tests only: the weights are not a language model.
     """
     from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
@@ -98,7 +98,7 @@ def agreeing_pair(
         draft.head.weight.copy_(target.output.weight)
         eye = torch.eye(cfg.dim)
         if kind == "eagle":
-            draft.fc.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], dim=1))
+            draft.fc.weight.copy_(torch.cat([torch.zeros_like(eye), eye], dim=1))
         else:
             draft.fc.weight.copy_(torch.cat([eye / len(aux)] * len(aux), dim=1))
         draft.attention.wo.weight.mul_(noise if draft_noise is None else draft_noise)
