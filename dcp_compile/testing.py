@@ -67,7 +67,7 @@ def _count_collectives(gm) -> int:
 
 
 def agreeing_pair(
-    kind: str, *, noise: float, draft_noise: float | None = None, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96
+    kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96
 ):
     """A target and an EAGLE/EAGLE3 draft that agree most of the time.
 
@@ -101,6 +101,6 @@ def agreeing_pair(
             draft.fc.weight.copy_(torch.cat([torch.zeros_like(eye), eye], dim=1))
         else:
             draft.fc.weight.copy_(torch.cat([eye / len(aux)] * len(aux), dim=1))
-        draft.attention.wo.weight.mul_(noise if draft_noise is None else draft_noise)
-        draft.feed_forward.w2.weight.mul_(noise if draft_noise is None else draft_noise)
+        draft.attention.wo.weight.mul_(noise)
+        draft.feed_forward.w2.weight.mul_(noise)
     return target, draft
