@@ -23,6 +23,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
+from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.pipeline import PassTiming
 from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for
@@ -64,6 +65,12 @@ class Backend:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+
+    @property
+    def collective_counts(self) -> list[int]:
+        """Collectives in each graph compiled so far (0 for drafts, 2 per layer for targets:
+        the all-gather and its wait)."""
+        return [count_collectives(c.graph_module) for c in self.compiled]
 
     def _records(self, plan: Plan, example_inputs: Sequence) -> list[CacheRecord]:
         records = []
@@ -121,7 +128,7 @@ class Backend:
     def _staging_first_slot(self, plan: Plan, records: list[CacheRecord]) -> int | None:
         if not self.verify:
             return None
-        tokens = max(_tokens_per_sequence(w) for w in plan.writes)
+        tokens = max(w.index.tokens for w in plan.writes)
         reserved = min(r.verify_tokens for r in records)
         if tokens > reserved:
             raise ValueError(
@@ -158,11 +165,6 @@ class Backend:
             return compiled(*args)
 
         return run
-
-
-def _tokens_per_sequence(write) -> int:
-    tags, shape = write.index.position_tags, write.index.position_shape
-    return shape[tags.index("T")] if "T" in tags else 1
 
 
 def backend(

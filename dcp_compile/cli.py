@@ -65,7 +65,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     if group.rank != 0:
         return None
     off_model = model()
-    off = torch.compile(off_model, fullgraph=True, dynamic=False) if args.lowering == "inductor" else torch.compile(off_model, backend=args.lowering, fullgraph=True, dynamic=False)
+    off = torch.compile(off_model, backend=args.lowering, fullgraph=True, dynamic=False)
     with _phase("off arm (plain torch.compile, one rank): compile and generate", talk):
         off_result = greedy_decode(off, prompts, args.max_new_tokens, device=device)
     identical = torch.equal(dcp_result.tokens, off_result.tokens)

@@ -18,7 +18,7 @@ PROMPT_LENGTHS = (5, 17, 30)
 
 # Logit tolerances per dtype, written down once.  fp32: torch.testing's defaults.
 # bf16: bounded relative to the unsharded bf16 model's own distance from float64
-# (see gpu_parity_worker), not a fixed number.
+# (see benchmarks/gpu_parity.py), not a fixed number.
 FP32_TOLERANCE = MappingProxyType(dict(rtol=1.3e-6, atol=1e-5))
 
 
@@ -45,7 +45,7 @@ def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, int
     prompts = make_prompts()
     reference = greedy_decode(make_model(cfg), prompts, steps)
     model = make_model(cfg)
-    prepared = dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
     backend = dcp.backend(group, "target", lowering=lowering)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     result = greedy_decode(compiled, prompts, steps)
@@ -54,29 +54,19 @@ def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, int
         reference_tokens=reference.tokens,
         logits=torch.stack(result.logits),
         reference_logits=torch.stack(reference.logits),
-        cache_shapes=[tuple(model.layers[i].attention.k_cache.shape) for i in range(cfg.n_layers)],
-        collectives=[_count_collectives(c.graph_module) for c in backend.compiled],
-        prepared_bytes=prepared.kv_bytes,
+        collectives=backend.collective_counts,
     )
 
 
-def _count_collectives(gm) -> int:
-    from dcp_compile.passes.check import is_collective
-
-    return sum(1 for n in gm.graph.nodes if is_collective(n))
-
-
-def agreeing_pair(
-    kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96
-):
+def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
     """A target and an EAGLE/EAGLE3 draft that agree most of the time.
 
     The target is built to mostly repeat its input token: the LM head is the token
     embedding (an identity bigram), and the layers add ``noise``-scaled random updates
-    that now and then change the argmax.  The draft passes the target's features through
-    to the same head (EAGLE: fc keeps the final-hidden half of its input; EAGLE3: fc
-    averages the three features), with its own noise.  Agreement is high but imperfect, so a batch sees
-    every accept count from 0 to k.  For tests only: the weights are not a language model.
+    that now and then change the argmax.  The draft passes the target's features
+    through to the same head (EAGLE: fc keeps the final-hidden half of its input;
+    EAGLE3: fc averages the three features), with its own noise.  Agreement is high
+    but imperfect, so a batch sees every accept count from 0 to k.  For tests only: the weights are not a language model.
     """
     from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
 

@@ -32,6 +32,10 @@ def is_collective(node) -> bool:
     return node.op == "call_function" and any(ns in str(node.target) for ns in COLLECTIVE_NAMESPACES)
 
 
+def count_collectives(gm: GraphModule) -> int:
+    return sum(is_collective(node) for node in gm.graph.nodes)
+
+
 def count_targets(gm: GraphModule) -> Counter:
     return Counter(node.target for node in gm.graph.nodes if node.op == "call_function")
 

@@ -50,6 +50,12 @@ class WriteIndex:
     batch: int
     cache_dtype: torch.dtype
 
+    @property
+    def tokens(self) -> int:
+        """New tokens per sequence this write stores."""
+        tags, shape = self.position_tags, self.position_shape
+        return shape[tags.index("T")] if "T" in tags else 1
+
 
 def _full_slice(entry) -> bool:
     return isinstance(entry, slice) and entry == slice(None, None, None)

@@ -4,7 +4,6 @@ import torch
 
 import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
-from dcp_compile.passes.check import is_collective
 from dcp_compile.testing import make_model
 from tests.passes import graphs
 
@@ -61,7 +60,7 @@ def layout_worker(rank, size, max_seq_len):
         target_caches=[tuple(b.shape) for n, b in target.named_buffers() if "cache" in n],
         target_bytes=target_prepared.kv_bytes,
         draft_caches=[tuple(b.shape) for n, b in draft.named_buffers() if "cache" in n],
-        draft_collectives=sum(is_collective(n) for c in draft_backend.compiled for n in c.graph_module.graph.nodes),
+        draft_collectives=sum(draft_backend.collective_counts),
         draft_graphs=len(draft_backend.compiled),
         draft_equal=torch.equal(draft_out, draft_ref),
         eager_error=eager_error,
@@ -178,8 +177,8 @@ def draft_and_aux_worker(rank, size, kind):
         hidden_width=hidden.shape[-1],
         draft_vocab=d_logits.shape[-1],
         target_ids=ref_draft.to_target_ids(torch.arange(d_logits.shape[-1])),
-        draft_collectives=[sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in draft_backend.compiled],
-        target_collectives=[sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in target_backend.compiled],
+        draft_collectives=draft_backend.collective_counts,
+        target_collectives=target_backend.collective_counts,
         draft_cache=tuple(draft.attention.k_cache.shape),
     )
 
@@ -201,7 +200,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     streamed = {i: [] for i in range(len(prompts))}
     outputs = decoder.generate(prompts, max_new_tokens, on_tokens=lambda i, new: streamed[i].extend(new))
     collectives = {
-        name: [sum(is_collective(n) for n in c.graph_module.graph.nodes) for c in b.compiled]
+        name: b.collective_counts
         for name, b in (("target", decoder.target_backend), ("verify", decoder.verify_backend), ("draft", decoder.draft_backend))
     }
     from dcp_compile.passes.shard_attention import ALL_GATHER
