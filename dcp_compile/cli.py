@@ -98,6 +98,36 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dcp_compile import training
+
+    cfg = training.preset(args.preset, target_steps=args.target_steps, draft_steps=args.draft_steps, batch=args.batch)
+    device = torch.device(args.device)
+    record = training.train(cfg, Path(args.out), device)
+    print(json.dumps(dict(final=record["final"], seconds=record["seconds"])))
+    if args.measure_acceptance:
+        acceptance = training.measure_acceptance(args.out, device=args.device)
+        config_path = Path(args.out) / "config.json"
+        config = json.loads(config_path.read_text())
+        config["acceptance"] = dict(acceptance, device=record["device"])
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+        print(json.dumps(dict(acceptance=acceptance)))
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from dcp_compile import training
+
+    result = training.measure_acceptance(
+        args.model, device=args.device, k=args.k, n_prompts=args.prompts, new_tokens=args.max_new_tokens,
+        lowering=args.lowering,
+    )
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-compile", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,7 +138,26 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: three code prompts")
     d.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor", help="aot_eager skips codegen")
     d.add_argument("--json", action="store_true", help="print one JSON summary line and nothing else")
+    t = sub.add_parser("train", help="train the byte-level target and its EAGLE3 draft on the Python standard library")
+    t.add_argument("--out", required=True, help="checkpoint directory to write")
+    t.add_argument("--preset", default="tiny-code", help="model and schedule: tiny-code (shipped) or smoke")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--target-steps", type=int)
+    t.add_argument("--draft-steps", type=int)
+    t.add_argument("--batch", type=int)
+    t.add_argument("--measure-acceptance", action="store_true", help="then measure the accept length on held-out files")
+    e = sub.add_parser("eval", help="mean accept length of a checkpoint's draft on held-out standard-library files")
+    e.add_argument("--model", default="tiny-code", help="shipped name or checkpoint directory")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--k", type=int, default=4)
+    e.add_argument("--prompts", type=int, default=32)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return train_command(args)
+    if args.command == "eval":
+        return eval_command(args)
     if args.command == "demo":
         if args.dcp < 1 or args.max_new_tokens < 1:
             parser.error("--dcp and --max-new-tokens must be >= 1")

@@ -88,19 +88,56 @@ class EagleDraft(RopeTables):
         """Target vocabulary ids of draft vocabulary ids."""
         return draft_ids + self.d2t[draft_ids] if self.cfg.kind == "eagle3" else draft_ids
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor):
-        dim = self.cfg.target.dim
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+    def _attention_input(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering the layer and the attention's input."""
         embedded = self.embed(tokens)
         if self.cfg.kind == "eagle":
             hidden = self.fc(torch.cat([embedded, features], dim=-1))
-            h = hidden + self.attention(self.attention_norm(hidden), positions, cos, sin)
-        else:
-            # The target's k*H features enter through fc; the draft's own H-wide output
-            # hidden state (later steps) is used as it is.
-            hidden = self.fc(features) if features.shape[-1] != dim else features
-            attn_in = torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)
-            h = hidden + self.attention(attn_in, positions, cos, sin)
+            return hidden, self.attention_norm(hidden)
+        # The target's k*H features enter through fc; the draft's own H-wide output
+        # hidden state (later steps) is used as it is.
+        hidden = self.fc(features) if features.shape[-1] != self.cfg.target.dim else features
+        return hidden, torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)
+
+    def _finish(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = h + self.feed_forward(self.ffn_norm(h))
-        logits = self.head(self.norm(h)).float()
-        return logits, h
+        return self.head(self.norm(h)).float(), h
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor):
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        hidden, attn_in = self._attention_input(tokens, features)
+        return self._finish(hidden + self.attention(attn_in, positions, cos, sin))
+
+    def forward_unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: ``steps`` chained draft steps over whole sequences, no cache.
+
+        ``tokens [B, T]`` are the tokens one ahead of ``features [B, T, kH]`` (the
+        target's features at positions ``0..T-1``).  Step ``j`` at base ``p`` stands at
+        position ``p + j``: it reads the token at ``p + j + 1`` and the hidden state
+        step ``j - 1`` produced at base ``p`` (step 0: the target's features), and
+        attends to step 0's keys at positions ``<= p`` and to steps ``1..j``'s own keys
+        at base ``p``: exactly what the chained draft sees at serving time, where the
+        cache holds target-feature entries up to the last accepted token and the
+        chain's own entries after it.  Returns each step's logits ``[B, T, V]``; step
+        ``j`` at base ``p`` predicts the token at ``p + j + 2``.
+        """
+        B, T = tokens.shape
+        base = torch.arange(T, device=tokens.device)
+        causal = base[None, :] <= base[:, None]
+        same_base = torch.eye(T, dtype=torch.bool, device=tokens.device)
+        keys, values, logits_per_step = [], [], []
+        hidden_in = features
+        for j in range(steps):
+            step_tokens = torch.nn.functional.pad(tokens[:, j:], (0, j))
+            cos, sin = self.rope_cos[None, base + j], self.rope_sin[None, base + j]
+            hidden, attn_in = self._attention_input(step_tokens, hidden_in)
+            q, k, v = (t.transpose(1, 2) for t in self.attention.project(attn_in, cos, sin))
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat([causal] + [same_base] * j, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, enable_gqa=True
+            )
+            logits, hidden_in = self._finish(hidden + self.attention.wo(out.transpose(1, 2).reshape(B, T, -1)))
+            logits_per_step.append(logits)
+        return logits_per_step

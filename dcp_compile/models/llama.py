@@ -122,12 +122,26 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
 
-    def forward(self, x, positions, cos, sin):
+    def project(self, x, cos, sin):
+        """Rotated queries and keys, and values, of the new tokens: ``[B, T, H, D]`` each."""
         cfg = self.cfg
         B, T, _ = x.shape
         q = apply_rope(self.wq(x).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
         v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        return q, k, v
+
+    def forward_uncached(self, x, cos, sin):
+        """Causal attention within ``x`` alone, touching no cache: the training path."""
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x, positions, cos, sin):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         rows = torch.arange(B, device=x.device)[:, None]
         self.k_cache[rows, :, positions] = k  # value [B, T, H_kv, D]: advanced indices go first
         self.v_cache[rows, :, positions] = v
@@ -172,6 +186,10 @@ class Block(nn.Module):
         h = x + self.attention(self.attention_norm(x), positions, cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def forward_uncached(self, x, cos, sin):
+        h = x + self.attention.forward_uncached(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
 
 class Llama(RopeTables):
     """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
@@ -195,6 +213,22 @@ class Llama(RopeTables):
             if i in self.cfg.aux_layers:
                 hidden.append(x)
             x = layer(x, positions, cos, sin)
+        return self._head(x, hidden)
+
+    def forward_uncached(self, tokens: torch.Tensor):
+        """The same outputs for whole sequences starting at position 0, with no KV cache
+        read or written: what training differentiates through."""
+        T = tokens.shape[1]
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in self.cfg.aux_layers:
+                hidden.append(x)
+            x = layer.forward_uncached(x, cos, sin)
+        return self._head(x, hidden)
+
+    def _head(self, x: torch.Tensor, hidden: list[torch.Tensor]):
         x = self.norm(x)
         logits = self.output(x).float()
         if not self.cfg.aux_layers:

@@ -1,0 +1,300 @@
+"""Train the shipped pair: a byte-level Llama on the Python standard library, then its
+EAGLE3 draft on the target's hidden states and output distributions.
+
+    dcp-compile train --device cuda --out runs/tiny-code      # minutes on one H200
+    dcp-compile train --preset smoke --out /tmp/smoke          # seconds, for tests
+
+**Data.** Every ``.py`` file of the running interpreter's standard library
+(``site-packages`` and caches excluded), read as bytes.  A file is held out for
+evaluation when ``crc32(relative path) % 20 == 0`` (about 5%): the same rule on every
+machine, whatever order the files are listed in.  Files are joined with a NUL byte,
+which never occurs in Python source, so it marks document boundaries.
+
+**Target.** Next-byte cross-entropy on random windows, AdamW, linear warm-up then
+cosine decay; bf16 autocast on CUDA.
+
+**Draft (EAGLE3).** The target is frozen.  On each window the target yields its
+auxiliary hidden states (the ``fc`` input) and its logits; the draft is unrolled
+``ttt_steps`` times with its own hidden states fed back
+(``EagleDraft.forward_unrolled``, "training-time test"), and every step is trained on
+the target's distribution for the token it proposes (soft cross-entropy), step ``j``
+weighted ``0.8 ** j`` as the EAGLE3 recipe does.  The draft shares the target's
+token embedding, frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+import time
+import zlib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig, eagle3_aux_layers
+
+DOCUMENT_SEPARATOR = 0
+HELD_OUT_MODULUS = 20
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dim: int = 256
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    intermediate_size: int = 768
+    seq_len: int = 512
+    batch: int = 64
+    target_steps: int = 3000
+    target_lr: float = 2e-3
+    draft_steps: int = 2000
+    draft_lr: float = 2e-3
+    ttt_steps: int = 4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    seed: int = 0
+
+    def target_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=256, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            intermediate_size=self.intermediate_size, max_seq_len=self.seq_len + self.ttt_steps, max_batch=1,
+            aux_layers=eagle3_aux_layers(self.n_layers),
+        )
+
+
+PRESETS = {
+    "tiny-code": TrainConfig(),
+    # Seconds on a CPU: exercises every code path, learns little.
+    "smoke": TrainConfig(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, intermediate_size=64, seq_len=64, batch=4,
+                         target_steps=6, draft_steps=4, ttt_steps=3, warmup=2, eval_every=3),
+}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_held_out(relative_path: str) -> bool:
+    return zlib.crc32(relative_path.encode()) % HELD_OUT_MODULUS == 0
+
+
+def corpus_files(split: str, root: Path | None = None) -> list[Path]:
+    """The standard library's ``.py`` files of one split (``"train"`` or ``"held_out"``), sorted."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    root = root or stdlib_root()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(part in ("site-packages", "dist-packages", "__pycache__") for part in path.relative_to(root).parts):
+            continue
+        if is_held_out(rel) == (split == "held_out"):
+            files.append(path)
+    if not files:
+        raise FileNotFoundError(f"no Python source files for split {split!r} under {root}")
+    return files
+
+
+def load_corpus(split: str, root: Path | None = None) -> torch.Tensor:
+    """All files of a split as one uint8 tensor, NUL-separated."""
+    chunks = []
+    for path in corpus_files(split, root):
+        chunks.append(path.read_bytes().replace(b"\x00", b""))
+    return torch.frombuffer(bytearray(bytes([DOCUMENT_SEPARATOR]).join(chunks)), dtype=torch.uint8)
+
+
+def sample_windows(data: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - length, (batch,), generator=generator)
+    return torch.stack([data[s : s + length] for s in starts.tolist()]).long()
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=1.0)
+
+
+def target_loss(target: Llama, windows: torch.Tensor) -> torch.Tensor:
+    logits, _ = target.forward_uncached(windows[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+
+
+def draft_losses(target: Llama, draft: EagleDraft, windows: torch.Tensor, ttt_steps: int):
+    """Per TTT step: soft cross-entropy against the target, and top-1 agreement with it."""
+    with torch.no_grad():
+        target_logits, features = target.forward_uncached(windows)
+    T = windows.shape[1] - 1
+    steps_logits = draft.forward_unrolled(windows[:, 1 : T + 1], features[:, :T], ttt_steps)
+    losses, agreements = [], []
+    for j, logits in enumerate(steps_logits):
+        # Step j at base p proposes token p + j + 2: the target's distribution at p + j + 1.
+        valid = T - j
+        if valid <= 0:
+            break
+        teacher = target_logits[:, j + 1 : j + 1 + valid].float()
+        student = logits[:, :valid].float()
+        losses.append(-(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1).mean())
+        agreements.append((teacher.argmax(-1) == student.argmax(-1)).float().mean())
+    return losses, agreements
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def _held_out_loss(target: Llama, batches: list[torch.Tensor], device) -> float:
+    target.eval()
+    with _autocast(device):
+        value = sum(float(target_loss(target, b.to(device))) for b in batches) / len(batches)
+    target.train()
+    return value
+
+
+def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool = True, log=print) -> dict:
+    """Train target then draft, save both to ``out``; returns the training record."""
+    from dcp_compile.models.pretrained import save_pair
+
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    started = time.perf_counter()
+    train_data, held_data = load_corpus("train"), load_corpus("held_out")
+    log(f"corpus: {len(corpus_files('train'))} train files ({train_data.numel() / 1e6:.1f} MB), "
+        f"{len(corpus_files('held_out'))} held-out files ({held_data.numel() / 1e6:.2f} MB) from {stdlib_root()}")
+    if train_data.numel() <= cfg.seq_len + 1 or held_data.numel() <= cfg.seq_len + 1:
+        raise ValueError(f"corpus too small for seq_len={cfg.seq_len}")
+    held_batches = [sample_windows(held_data, cfg.batch, cfg.seq_len + 1, torch.Generator().manual_seed(1000 + i))
+                    for i in range(4)]
+
+    tcfg = cfg.target_config()
+    target = Llama(tcfg).to(device)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if not name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, std=0.02)
+    history: dict[str, list] = dict(target=[], target_held_out=[], draft=[], draft_agreement=[])
+    step_fn = torch.compile(target_loss) if device.type == "cuda" else target_loss
+    opt = torch.optim.AdamW(target.parameters(), lr=cfg.target_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    target.train()
+    bar = _progress(cfg.target_steps, "target", progress)
+    for step in range(cfg.target_steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.target_steps, cfg.target_lr, cfg.warmup)
+        windows = sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+        with _autocast(device):
+            loss = step_fn(target, windows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 0 or step == cfg.target_steps - 1:
+            history["target"].append((step, loss.item()))
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.target_steps - 1:
+            history["target_held_out"].append((step, _held_out_loss(target, held_batches, device)))
+        bar.update(1)
+    bar.close()
+    target.eval().requires_grad_(False)
+
+    draft = EagleDraft(DraftConfig(tcfg, "eagle3", n_features=len(tcfg.aux_layers))).to(device)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, std=0.02)
+    draft.embed.weight.data.copy_(target.tok_embeddings.weight)
+    draft.embed.weight.requires_grad_(False)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.draft_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    weights = [0.8**j for j in range(cfg.ttt_steps)]
+    draft.train()
+    bar = _progress(cfg.draft_steps, "draft", progress)
+    for step in range(cfg.draft_steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.draft_steps, cfg.draft_lr, cfg.warmup)
+        windows = sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+        with _autocast(device):
+            losses, agreements = draft_losses(target, draft, windows, cfg.ttt_steps)
+            loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights[: len(losses)])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        if step % 10 == 0 or step == cfg.draft_steps - 1:
+            history["draft"].append((step, [x.item() for x in losses]))
+            history["draft_agreement"].append((step, [float(x) for x in agreements]))
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{float(agreements[0]):.2f}")
+        bar.update(1)
+    bar.close()
+    draft.eval().requires_grad_(False)
+
+    record = dict(
+        train_config=asdict(cfg),
+        data=dict(source=str(stdlib_root()), held_out_rule=f"crc32(relative path) % {HELD_OUT_MODULUS} == 0",
+                  train_bytes=int(train_data.numel()), held_out_bytes=int(held_data.numel())),
+        final=dict(target_train_loss=history["target"][-1][1], target_held_out_loss=history["target_held_out"][-1][1],
+                   draft_step_losses=history["draft"][-1][1], draft_step_agreement=history["draft_agreement"][-1][1]),
+        seconds=time.perf_counter() - started,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+    )
+    save_pair(out, target, draft, extra=dict(training=record))
+    (Path(out) / "history.json").write_text(json.dumps(history) + "\n")
+    return record
+
+
+def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None = None) -> list[list[int]]:
+    """``n`` prompts of ``prompt_bytes`` bytes, each ending at a line end, from held-out files."""
+    gen = torch.Generator().manual_seed(seed)
+    files = [p.read_bytes() for p in corpus_files("held_out", root)]
+    files = [f for f in files if len(f) > 4 * prompt_bytes]
+    prompts = []
+    while len(prompts) < n:
+        text = files[int(torch.randint(len(files), (1,), generator=gen))]
+        end = int(torch.randint(prompt_bytes, len(text) - prompt_bytes, (1,), generator=gen))
+        end = text.rfind(b"\n", prompt_bytes, end + 1) + 1
+        if end > prompt_bytes:
+            prompts.append(list(text[end - prompt_bytes : end]))
+    return prompts
+
+
+def measure_acceptance(
+    name_or_path, *, device="cpu", k: int = 4, n_prompts: int = 32, prompt_bytes: int = 192, new_tokens: int = 128,
+    batch: int = 16, lowering: str = "aot_eager",
+) -> dict:
+    """Greedy EAGLE3 decoding of held-out prompts on one rank: mean accept length at ``k``."""
+    import dcp_compile as dcp
+    from dcp_compile.models.pretrained import load_pair
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    max_seq_len = prompt_bytes + new_tokens + k + 1
+    target, draft = load_pair(name_or_path, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+    group = dcp.DCPGroup(1, 0, device, None)
+    decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=batch, max_seq_len=max_seq_len, lowering=lowering)
+    prompts = held_out_prompts(n_prompts, prompt_bytes)
+    accepted = []
+    for start in range(0, n_prompts, batch):
+        for out in decoder.generate(prompts[start : start + batch], new_tokens):
+            accepted += out.accepted
+    return dict(k=k, prompts=n_prompts, prompt_bytes=prompt_bytes, new_tokens=new_tokens, verify_steps=len(accepted),
+                mean_accept_length=sum(a + 1 for a in accepted) / len(accepted),
+                accept_histogram=[accepted.count(i) for i in range(k + 1)])
+
+
+def preset(name: str, **overrides) -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
