@@ -11,6 +11,11 @@ what this pass found.
   values are caches, read directly or through a GQA replication (``enable_gqa``,
   ``repeat_interleave`` or ``expand`` + ``reshape``) and layout-only views.
 
+Each site also carries a ``MaskProof`` (``causal_mask``): whether its mask is the
+position-causal one that the cascade computes.  An unproven mask is not an error here
+(draft graphs and a group of one are never rewritten); ``shard_attention`` and
+``dcp.prepare`` refuse it for sharded targets.
+
 Invariant: every read of a cache is part of an attention site or a write.  Any other
 read (a matmul over the cache, a view this pass does not understand, flex_attention)
 raises ``GraphPatternError`` naming the node and the user's source line: a target
@@ -25,10 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 from torch.fx import GraphModule, Node
 
+from dcp_compile.passes.causal_mask import MaskProof, prove_causal
 from dcp_compile.passes.fx_utils import (
     GraphPatternError,
     arg,
@@ -68,6 +73,8 @@ class AttentionSite:
     k_write: KVWrite
     v_write: KVWrite
     scale: float
+    mask: MaskProof
+    """Whether the user's mask is the position-causal one the cascade computes."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,9 @@ class Plan:
     writes: tuple[KVWrite, ...]
     sites: tuple[AttentionSite, ...]
     mask_inputs: tuple[int, ...]
-    """Placeholder indices of non-cache inputs that shape an attention mask over a cache
-    (their last axis runs along the cache's sequence axis)."""
+    """Placeholder indices of causal-mask tables (``[positions, slots]``, gpt-fast's
+    ``causal_mask``) that proven masks index; their last axis runs along the cache's
+    sequence axis, and the proofs assume them lower triangular."""
     position_inputs: tuple[int, ...]
     """Placeholder indices whose values are the global positions written this step."""
 
@@ -256,7 +264,10 @@ def find(gm: GraphModule) -> Plan:
             raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
         scale = arg(node, 6, "scale", None)
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
-        sites.append(AttentionSite(node, q, k_write, v_write, scale))
+        mask = prove_causal(
+            node, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False), k_write.positions, k_write.index.position_tags
+        )
+        sites.append(AttentionSite(node, q, k_write, v_write, scale, mask))
         explained.update(k_chain, v_chain, (node,))
 
     # Everything that consumes cache data must be a write, a recognised view chain, or
@@ -286,19 +297,7 @@ def find(gm: GraphModule) -> Plan:
             f"layout views and a GQA head replication"
         )
 
-    graph = nx.DiGraph((source, node) for node in gm.graph.nodes for source in node.all_input_nodes)
-    mask_inputs = set()
-    for site in sites:
-        mask = arg(site.node, 3, "attn_mask", None)
-        if not isinstance(mask, Node):
-            continue
-        seq_len = shape_of(site.k_write.cache.node)[site.k_write.cache.seq_dim]
-        for source in nx.ancestors(graph, mask) | {mask}:
-            if source.op == "placeholder" and source not in caches:
-                value = fake_value(source)
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] == seq_len:
-                    mask_inputs.add(input_index[source])
-
+    mask_inputs = {input_index[t] for site in sites if site.mask.proven for t in site.mask.tables}
     position_inputs = {input_index[r] for w in writes.values() if (r := _root_input(w.positions)) is not None}
     return Plan(
         caches=tuple(caches.values()),

@@ -12,8 +12,12 @@ Invariant established: each attention site is replaced by
     out      = merge(rank 0 .. N-1 prefixes, window)   # fixed order: same bits on every rank
 
 ``start_b`` and the window's positions come from the positions the same layer's KV
-write stores; the user's own mask over the full cache is not used (it described the
-unsharded cache).  The window is merged once, after the gather, so it counts once.
+write stores.  The user's own mask over the full cache is not used (it described the
+unsharded cache), but ``find`` must have proven it to be exactly that position-causal
+mask (``causal_mask.prove_causal``); a site whose mask is unproven (a sliding window, a
+padding mask, no mask, anything the prover does not model) raises ``GraphPatternError``
+with the reason and the user's source line, before anything is rewritten.  The window
+is merged once, after the gather, so it counts once.
 
 Never: leaves a site unreplaced, or keeps a read of a full cache buffer alive (the
 view chains feeding the old attention are erased once orphaned).
@@ -30,7 +34,7 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import window_attention
 from dcp_compile.ops.merge import lse_merge
 from dcp_compile.passes.find import AttentionSite, Plan
-from dcp_compile.passes.fx_utils import erase_dead_pure_nodes, fake_value
+from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value
 from dcp_compile.passes.kv_index import cache_BHSD, prefix_lengths, window_kv, window_positions
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -97,6 +101,9 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
 
 
 def shard_attention(gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str) -> GraphModule:
+    for site in plan.sites:
+        if not site.mask.proven:
+            raise GraphPatternError(site.mask.failure)
     for site in plan.sites:
         _rewrite_site(gm, site, layout, group_name)
     gm.recompile()
