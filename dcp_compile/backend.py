@@ -26,7 +26,8 @@ from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.pipeline import PassTiming
-from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for
+from dcp_compile.passes.fx_utils import GraphPatternError, where
+from dcp_compile.runtime.caches import ROLES, CacheRecord, is_checked_table, record_for
 from dcp_compile.runtime.group import DCPGroup
 
 LOWERINGS = ("inductor", "aot_eager")
@@ -111,6 +112,8 @@ class Backend:
                 "dcp-compile compiles inference graphs; call the compiled target under torch.no_grad() or "
                 "torch.inference_mode()"
             )
+        if self.role == "target" and self.group.size > 1:
+            self._check_sharded_inputs(gm, plan, example_inputs)
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
         if self.role == "draft":
             passes = draft_passes()
@@ -124,6 +127,26 @@ class Backend:
         self.compiled.append(CompiledGraph(gm, plan, timings))
         compiled = self._lower(gm, example_inputs)
         return self._guard_positions(compiled, plan, records)
+
+    def _check_sharded_inputs(self, gm: GraphModule, plan: Plan, example_inputs: Sequence) -> None:
+        """Sharded tensors may enter a target graph only where the passes rewrite their use."""
+        written = {c.input_index for c in plan.caches}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for index, tensor in enumerate(example_inputs):
+            record = record_for(tensor) if isinstance(tensor, torch.Tensor) else None
+            if record is not None and record.sharded and index not in written and placeholders[index].users:
+                user = next(iter(placeholders[index].users))
+                raise GraphPatternError(
+                    f"KV cache {record.name} holds only this rank's shard but this graph reads it at {where(user)} "
+                    f"without writing it, so the passes cannot tell which positions it holds (attention over a "
+                    f"cache written elsewhere, such as cross-attention, is not supported under DCP)"
+                )
+        for index in plan.mask_inputs:
+            if not is_checked_table(example_inputs[index]):
+                raise ValueError(
+                    f"graph input {index} is a causal-mask table over the sharded KV cache that dcp.prepare did not "
+                    f"check and shard; prepare the model with example inputs that exercise the same mask"
+                )
 
     def _staging_first_slot(self, plan: Plan, records: list[CacheRecord]) -> int | None:
         if not self.verify:

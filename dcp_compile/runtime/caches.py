@@ -50,3 +50,16 @@ def register(tensor: torch.Tensor, record: CacheRecord) -> None:
 
 def record_for(tensor: torch.Tensor) -> CacheRecord | None:
     return _records.get(tensor)
+
+
+_tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_table(tensor: torch.Tensor, name: str) -> None:
+    """``tensor`` is this rank's columns of a causal-mask table that ``prepare`` checked
+    lower triangular."""
+    _tables[tensor] = name
+
+
+def is_checked_table(tensor: torch.Tensor) -> bool:
+    return tensor in _tables

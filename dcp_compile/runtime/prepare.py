@@ -4,9 +4,11 @@ Dynamo traces with real shapes, so the local cache buffers must exist before
 ``torch.compile`` sees the model.  ``prepare`` runs a discovery trace (Dynamo on fake
 tensors, nothing is executed), reuses the ``find`` pass to locate the caches, then:
 
-- target role, group of N > 1: swaps every cache for a zeroed local buffer of
-  ``S_loc + 1`` slots along its sequence axis, and shards the last axis of any buffer
-  that shapes an attention mask over the cache, so that the model traces;
+- target role, group of N > 1: checks that every attention over a cache has a mask
+  proven position-causal (``passes.causal_mask``), swaps every cache for a zeroed local
+  buffer of ``S_loc + 1`` slots along its sequence axis, and shards the last axis of any
+  causal-mask table the masks index (after checking it is lower triangular), so that
+  the model traces;
 - draft role, or a group of size 1: leaves every buffer as it is.
 
 All ranks first exchange a fingerprint of the model config and the prepare arguments,
@@ -26,8 +28,10 @@ from torch import nn
 
 from dcp_compile import layout as kvlayout
 from dcp_compile.layout import KVLayout
+from dcp_compile.passes.causal_mask import is_lower_triangular
 from dcp_compile.passes.find import find
-from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for, register
+from dcp_compile.passes.fx_utils import GraphPatternError
+from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for, register, register_table
 from dcp_compile.runtime.group import DCPGroup
 
 _TOKEN_ARGS = ("tokens", "input_ids", "idx", "token_ids")
@@ -52,11 +56,14 @@ class _DiscoveryDone(Exception):
 
 
 def _default_example_inputs(model: nn.Module, max_batch: int, device: torch.device) -> tuple:
-    params = [
-        p
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    known = _TOKEN_ARGS + _ROW_POSITION_ARGS + _SHARED_POSITION_ARGS
+    params = []
+    for p in inspect.signature(model.forward).parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if p.default is not p.empty and p.name not in known:
+            break  # gpt-fast's forward(idx, input_pos=None): a defaulted position still counts
+        params.append(p)
     args = []
     for p in params:
         if p.name in _TOKEN_ARGS or p.name in _ROW_POSITION_ARGS:
@@ -119,13 +126,22 @@ def _check_ranks_agree(group: DCPGroup, fingerprint: int, role: str) -> None:
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
-    """id(buffer) -> (qualified name, owning module, attribute name)."""
+    """id(tensor) -> (qualified name, owning module, attribute name), for buffers and plain
+    tensor attributes (gpt-fast keeps ``causal_mask`` as one)."""
     owners = {}
     for mod_name, module in model.named_modules():
-        for attr, buf in module._buffers.items():
-            if buf is not None:
-                owners[id(buf)] = (f"{mod_name}.{attr}" if mod_name else attr, module, attr)
+        tensors = {a: t for a, t in vars(module).items() if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)}
+        tensors.update((a, b) for a, b in module._buffers.items() if b is not None)
+        for attr, tensor in tensors.items():
+            owners[id(tensor)] = (f"{mod_name}.{attr}" if mod_name else attr, module, attr)
     return owners
+
+
+def _replace(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    if attr in module._buffers:
+        module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
+    else:
+        setattr(module, attr, tensor)
 
 
 def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
@@ -194,6 +210,10 @@ def prepare(
         example_inputs = _default_example_inputs(model, max_batch, device)
     gm, inputs = trace_graph(model, tuple(example_inputs))
     plan = find(gm)
+    if sharded:
+        for site in plan.sites:
+            if not site.mask.proven:
+                raise GraphPatternError(site.mask.failure)
     if not plan.caches:
         raise ValueError(
             f"{type(model).__name__} has no KV cache: expected buffers written along a sequence axis by "
@@ -207,8 +227,9 @@ def prepare(
         tensor = inputs[cache.input_index]
         if id(tensor) not in owners:
             raise ValueError(
-                f"KV cache {cache.name} is not a registered buffer; create it with module.register_buffer(...) "
-                f"so that prepare can replace it with this rank's shard"
+                f"KV cache {cache.name} is not a buffer (or tensor attribute) of {type(model).__name__} or its "
+                f"submodules; create it with module.register_buffer(...) so that prepare can replace it with this "
+                f"rank's shard (Hugging Face caches: see dcp_compile.hf)"
             )
         qualname, module, attr = owners[id(tensor)]
         if record_for(tensor) is not None:
@@ -223,7 +244,7 @@ def prepare(
             local_shape = list(tensor.shape)
             local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
             tensor = torch.zeros(local_shape, dtype=tensor.dtype, device=tensor.device)
-            module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
+            _replace(module, attr, tensor)
         record = CacheRecord(
             qualname, role, cache.seq_dim, layout, tuple(inputs[cache.input_index].shape), verify_tokens if sharded else 0
         )
@@ -237,11 +258,19 @@ def prepare(
             tensor = inputs[index]
             if id(tensor) not in owners:
                 raise ValueError(
-                    f"graph input {index} shapes an attention mask over the KV cache but is not a registered "
-                    f"buffer; make it a buffer or build the mask from positions inside forward"
+                    f"graph input {index} is a causal-mask table indexed by positions but not a buffer (or tensor "
+                    f"attribute) of the model; make it a buffer or build the mask from positions inside forward"
                 )
             qualname, module, attr = owners[id(tensor)]
-            module.register_buffer(attr, _local_mask(tensor, layout), persistent=attr not in module._non_persistent_buffers_set)
+            if tensor.shape[-1] != max_seq_len or not is_lower_triangular(tensor):
+                raise GraphPatternError(
+                    f"causal-mask table {qualname} (shape {tuple(tensor.shape)}) is indexed by positions to mask "
+                    f"attention over the KV cache, but it is not lower triangular over max_seq_len={max_seq_len} "
+                    f"slots (table[p, s] == (s <= p)); DCP shards full causal attention only"
+                )
+            local = _local_mask(tensor, layout)
+            _replace(module, attr, local)
+            register_table(local, qualname)
             mask_names.append(qualname)
         model.register_forward_pre_hook(_refuse_eager_call)
     return Prepared(role, tuple(records), tuple(mask_names), kv_bytes)
