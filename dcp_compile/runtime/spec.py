@@ -272,6 +272,8 @@ class SpecDecoder:
             extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
             extend_logits, extend_hidden = self.draft_forward(extend_tokens, verify_positions, features)
             q_logits, hidden = extend_logits[rows, accepted], extend_hidden[rows, accepted][:, None]
-            length = torch.where(was_active, length + accepted + 1, length)
-            current = torch.where(was_active, bonus, current)
+            # A row that finished stays where it was: its later (ignored) verify windows
+            # must not run past the cache it was admitted for.
+            length = torch.where(active, length + accepted + 1, length)
+            current = torch.where(active, bonus, current)
         return outputs

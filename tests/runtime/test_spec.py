@@ -89,3 +89,16 @@ def test_eos_stops_a_request():
     stopped = decoder().generate([[7, 7, 7]], 30, eos_id=eos)[0]
     assert stopped.finished_by == "eos" and stopped.tokens[-1] == eos
     assert stopped.tokens == outputs[0].tokens[: outputs[0].tokens.index(eos) + 1]
+
+
+def test_requests_that_exactly_fill_the_cache_run_to_the_end():
+    # Rows finish at different steps; a finished row must not be verified past its cache.
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 32, (10,), generator=gen).tolist() for _ in range(4)]
+    k, new = 4, 39  # the first row overshoots its budget by two tokens at its last step
+    max_seq_len = max(len(p) for p in prompts) + new + k + 1
+    target, draft = agreeing_pair("eagle3", noise=3.0, max_seq_len=max_seq_len)
+    dec = SpecDecoder(target, draft, dcp.init_group("cpu"), k=k, max_batch=4, max_seq_len=max_seq_len, lowering="aot_eager")
+    outputs = dec.generate(prompts, new)
+    assert [o.finished_by for o in outputs] == ["length"] * 4
+    assert [len(o.tokens) for o in outputs] == [new] * 4
