@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Iterable
 
 import torch
@@ -21,12 +22,14 @@ def source_line(node: Node) -> str:
     if not trace:
         return f"<no source recorded for FX node {node.name}>"
     lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            where = lines[i].replace("File ", "").replace('"', "").replace(", line ", ":").split(",")[0]
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{where}: {code}"
-    return lines[-1]
+    frames = []
+    for i, line in enumerate(lines):
+        if line.startswith("File "):
+            where = line.replace("File ", "").replace('"', "").replace(", line ", ":").split(",")[0]
+            frames.append(f"{where}: {lines[i + 1] if i + 1 < len(lines) else ''}")
+    # The innermost frame outside torch itself: F.pad's wrapper is not the user's line.
+    user = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.split(":")[0]]
+    return (user or frames or lines)[-1]
 
 
 def where(node: Node) -> str:

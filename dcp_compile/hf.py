@@ -1,0 +1,331 @@
+"""Hugging Face ``transformers`` (5.x) causal LMs under DCP, unchanged.
+
+Needs the ``hf`` extra (``pip install 'dcp-compile[hf]'``); ``import dcp_compile`` does
+not import ``transformers``.  Tested with ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and
+``MistralForCausalLM`` (``sliding_window=None``), ``attn_implementation="sdpa"``.
+
+Two ways in, both compiled with the ordinary backend:
+
+**1. Your own loop, with a DCP static cache.**  HF models keep their KV tensors in the
+cache object passed as ``past_key_values`` (``cache`` from 5.24 on), not in module
+buffers.  ``DCPStaticCache`` is the drop-in for ``StaticCache`` that holds this rank's
+``S_loc + 1`` slots per layer (a group of one: all ``max_cache_len`` slots)::
+
+    group = dcp.init_group()
+    cache = DCPStaticCache(model.config, group, max_batch_size=B, max_cache_len=S, dtype=torch.bfloat16, device=dev)
+    model_c = torch.compile(model, backend=dcp.backend(group), fullgraph=True)
+    logits = model_c(input_ids=prompt, past_key_values=cache).logits          # prefill
+    logits = model_c(input_ids=next_ids, past_key_values=cache).logits        # decode, T = 1
+    cache.reset()                                                               # next batch
+
+As with ``StaticCache``, the batch shares one length (HF's cache position is 1-D), and
+``attention_mask`` must be left out: a padding mask cannot be proven causal and is
+refused.  Sliding-window layers (Mistral with ``sliding_window`` set, Qwen2 with
+``use_sliding_window=True``) are refused by the passes, with the mask's source line.
+
+**2. The ``(tokens, positions)`` interface.**  ``DCPCausalLM(model, max_batch=B,
+max_seq_len=S, aux_layers=...)`` wraps the model and a cache of its own into
+``forward(tokens [B, T], positions [B, T]) -> logits`` (or ``(logits, features)``), with
+per-sequence positions: prompts of different lengths share a batch, and
+``dcp.SpecDecoder`` takes it as its target.  The wrapper builds the position-causal
+mask itself and writes every row at its own positions; its cache tensors are module
+buffers, so ``dcp.prepare`` shards them like any model's.  EAGLE3 features are the
+hidden states entering the ``aux_layers`` decoder layers (``n_layers``: the final
+normed hidden state), taken by forward hooks, so the graph has no break.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "dcp_compile.hf needs Hugging Face transformers 5.x: pip install 'dcp-compile[hf]'"
+    ) from error
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.models.llama import LlamaConfig
+from dcp_compile.runtime.caches import CacheRecord, register
+from dcp_compile.runtime.group import DCPGroup
+
+_SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    return list(types)
+
+
+class KVStore(nn.Module):
+    """The cache tensors as buffers ``k_0, v_0, k_1, ...``, so that ``dcp.prepare`` can
+    swap them for local ones like any model's buffers."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device):
+        super().__init__()
+        for i, shape in enumerate(shapes):
+            self.register_buffer(f"k_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
+class DCPStaticLayer(CacheLayerMixin):
+    """One decoder layer's slot in a ``DCPStaticCache``; its tensors live in the store."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, store: KVStore, index: int, *, sliding: bool, max_batch_size: int, max_cache_len: int):
+        # CacheLayerMixin.__init__ would assign keys/values, which here are views of the store.
+        self._store, self._index = store, index
+        self.is_sliding = sliding
+        self.is_initialized = True
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return getattr(self._store, f"k_{self._index}")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return getattr(self._store, f"v_{self._index}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass  # allocated up front: the local shape must exist before torch.compile traces
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("DCPStaticCache writes through DCPStaticCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self):
+        raise RuntimeError("DCPStaticCache tracks one length for every layer: use the cache's get_seq_length")
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+
+class DCPStaticCache(Cache):
+    """A ``StaticCache`` whose tensors are this rank's DCP shard.
+
+    Args:
+        config: the model's config (its text config for multimodal models).
+        group: from ``dcp.init_group()``.  ``None``: whole tensors, not yet prepared
+            (``DCPCausalLM`` owns such a cache and ``dcp.prepare`` shards it).
+        max_batch_size: batch rows.
+        max_cache_len: global sequence capacity ``S``.
+        dtype, device: of the cache tensors (the model's).
+        interleave: ``I`` of the KV layout.
+        verify_tokens: staging slots for verify graphs (``k + 1`` for a chain of ``k``).
+
+    Every layer writes with ``index_copy_`` along the sequence axis at
+    ``arange(T) + length``, where ``length`` is one tensor shared by all layers (and by
+    the mask HF builds from ``get_seq_length``); the last layer advances it.
+    """
+
+    is_compileable = True
+
+    def __init__(
+        self,
+        config,
+        group: DCPGroup | None = None,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        interleave: int = 1,
+        verify_tokens: int = 0,
+    ):
+        config = _text_config(config)
+        types = _layer_types(config)
+        unknown = sorted(set(types) - set(_SUPPORTED_LAYERS))
+        if unknown:
+            raise ValueError(f"DCPStaticCache holds attention layers only; this config has layer types {unknown}")
+        sharded = group is not None and group.size > 1
+        layout = KVLayout(group.size, group.rank, max_cache_len, interleave) if sharded else KVLayout(1, 0, max_cache_len)
+        slots = layout.local_cache_len + verify_tokens if sharded else max_cache_len
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (max_batch_size, heads, slots, _head_dim(config))
+        self.store = KVStore([shape] * config.num_hidden_layers, dtype, device)
+        layers = [
+            DCPStaticLayer(self.store, i, sliding=t == "sliding_attention", max_batch_size=max_batch_size,
+                           max_cache_len=max_cache_len)
+            for i, t in enumerate(types)
+        ]
+        super().__init__(layers=layers)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        """Tokens written so far (every row: the batch shares one length)."""
+        self.row_positions: torch.Tensor | None = None
+        """Set by ``DCPCausalLM`` for one call: per-row positions ``[B, T]`` to write at."""
+        self.layout = layout
+        if group is not None:
+            for name, tensor in self.store.named_buffers():
+                record = CacheRecord(f"cache.{name}", "target", 2, layout, (max_batch_size, heads, max_cache_len, shape[3]),
+                                     verify_tokens if sharded else 0)
+                register(tensor, record)
+
+    @property
+    def kv_length(self) -> int:
+        """Slots per row of every cache tensor (this rank's, when sharded)."""
+        return self.store.k_0.shape[2]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        keys, values = layer.keys, layer.values
+        if self.row_positions is not None:
+            # [B, T] positions: row b writes its own (the reference Llama's form).
+            rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+            keys[rows, :, self.row_positions] = key_states.transpose(1, 2)
+            values[rows, :, self.row_positions] = value_states.transpose(1, 2)
+            return keys, values
+        tokens = key_states.shape[-2]
+        positions = torch.arange(tokens, device=keys.device) + self.length
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        if layer_idx == len(self.layers) - 1:
+            self.length.add_(tokens)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0):
+        return self.length
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.kv_length, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].max_cache_len
+
+    def reset(self) -> None:
+        """Forget every sequence (the slots are zeroed too, as ``StaticCache.reset`` does)."""
+        self.length.zero_()
+        for layer in self.layers:
+            layer.reset()
+
+
+def _refuse_sliding(config) -> None:
+    types = _layer_types(config)
+    if any(t != "full_attention" for t in types):
+        raise ValueError(
+            f"{type(config).__name__} uses sliding-window attention (layer_types {sorted(set(types))}, sliding_window="
+            f"{getattr(config, 'sliding_window', None)}); DCPCausalLM builds a full causal mask and would drop the window. "
+            f"DCP shards full causal attention only: set sliding_window=None (Mistral) or use_sliding_window=False (Qwen2) "
+            f"if your contexts never exceed the window"
+        )
+
+
+def llama_config(config, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = ()) -> LlamaConfig:
+    """The reference ``LlamaConfig`` with an HF config's shapes: what ``SpecDecoder`` reads
+    from its target, and what ``DraftConfig`` builds a draft for."""
+    config = _text_config(config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
+    if _head_dim(config) * config.num_attention_heads != config.hidden_size:
+        raise ValueError(
+            f"head_dim {_head_dim(config)} x {config.num_attention_heads} heads != hidden_size {config.hidden_size}: the "
+            f"reference LlamaConfig (and EAGLE drafts built from it) assume head_dim = hidden_size / heads"
+        )
+    return LlamaConfig(
+        vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads, n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        intermediate_size=config.intermediate_size, max_seq_len=max_seq_len, max_batch=max_batch, rope_theta=float(theta),
+        norm_eps=getattr(config, "rms_norm_eps", 1e-6), aux_layers=tuple(aux_layers),
+    )
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward takes its cache by: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class DCPCausalLM(nn.Module):
+    """An HF causal LM as ``forward(tokens [B, T], positions [B, T]) -> logits [B, T, V]``
+    (fp32), or ``(logits, features [B, T, len(aux_layers) * hidden])`` with ``aux_layers``.
+
+    ``cfg`` is the model's shapes as a reference ``LlamaConfig`` (``vocab_size``, ``dim``,
+    ``aux_layers`` ...), so that ``dcp.SpecDecoder(DCPCausalLM(...), draft, ...)`` works and
+    ``DraftConfig(wrapper.cfg, "eagle3")`` builds a matching draft.
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = ()):
+        super().__init__()
+        config = _text_config(model.config)
+        if config._attn_implementation != "sdpa":
+            raise ValueError(
+                f"DCPCausalLM needs attn_implementation='sdpa', got {config._attn_implementation!r}: load the model with "
+                f"from_pretrained(..., attn_implementation='sdpa')"
+            )
+        _refuse_sliding(config)
+        self.model = model
+        self.cfg = llama_config(config, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux_layers)
+        param = next(model.parameters())
+        self.cache = DCPStaticCache(config, None, max_batch_size=max_batch, max_cache_len=max_seq_len, dtype=param.dtype,
+                                    device=param.device)
+        self.kv = self.cache.store
+        self._cache_kwarg = cache_kwarg(model)
+        self._features: dict[int, torch.Tensor] = {}
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        for i in aux_layers:
+            if i < self.cfg.n_layers:
+                decoder.layers[i].register_forward_pre_hook(self._keep_input(i), with_kwargs=True)
+            else:
+                decoder.norm.register_forward_hook(self._keep_output(i))
+
+    def _keep_input(self, index: int):
+        def hook(module, args, kwargs):
+            self._features[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _keep_output(self, index: int):
+        def hook(module, args, output):
+            self._features[index] = output
+
+        return hook
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+        slots = torch.arange(self.cache.kv_length, device=tokens.device)
+        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]: position-causal
+        self.cache.row_positions = positions
+        out = self.model(
+            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{self._cache_kwarg: self.cache}
+        )
+        self.cache.row_positions = None
+        logits = out.logits.float()
+        if not self.cfg.aux_layers:
+            return logits
+        features = torch.cat([self._features[i] for i in self.cfg.aux_layers], dim=-1)
+        self._features.clear()
+        return logits, features
+
+
+__all__ = ["DCPCausalLM", "DCPStaticCache", "KVStore", "cache_kwarg", "llama_config", "transformers"]

@@ -1,0 +1,97 @@
+"""What Hugging Face users can get wrong under DCP is refused, with what and where."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.layout import KVLayout
+from dcp_compile.passes import GraphPatternError, find, shard_attention
+from dcp_compile.runtime.caches import CacheRecord, register
+from dcp_compile.testing import capture_graph
+
+pytest.importorskip("transformers")
+
+from dcp_compile.hf import DCPCausalLM, DCPStaticCache, cache_kwarg  # noqa: E402
+from tests.hf.workers import MAX_SEQ_LEN, make_hf_model  # noqa: E402
+from tests.passes import graphs  # noqa: E402
+
+
+class OwnLoop(torch.nn.Module):
+    """``model(input_ids, past_key_values=cache, **kwargs)`` as one traceable call."""
+
+    def __init__(self, model, cache, **kwargs):
+        super().__init__()
+        self.model, self.cache, self.kwargs = model, cache, kwargs
+        self.cache_kwarg = cache_kwarg(model)
+
+    def forward(self, input_ids, *extra):
+        kwargs = dict(self.kwargs, **({"attention_mask": extra[0]} if extra else {}))
+        return self.model(input_ids=input_ids, **{self.cache_kwarg: self.cache}, **kwargs).logits
+
+
+def sharding_error(model, *extra, tokens=3):
+    cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    gm, _ = capture_graph(OwnLoop(model, cache), torch.ones(2, tokens, dtype=torch.long), *extra)
+    plan = find(gm)
+    with pytest.raises(GraphPatternError) as error:
+        shard_attention(gm, plan, layout=KVLayout(2, 0, MAX_SEQ_LEN), group_name="g")
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("mistral", dict(sliding_window=16)), ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1))],
+)
+def test_sliding_window_is_refused(family, overrides):
+    message = sharding_error(make_hf_model(family, **overrides))
+    assert "restricts the causal mask further" in message and "Sliding-window" in message
+    assert "masking_utils.py" in message, "the error names the line that adds the window"
+
+
+def test_padding_mask_is_refused():
+    message = sharding_error(make_hf_model("llama"), torch.ones(2, 3, dtype=torch.long))
+    assert "cannot prove" in message and "masking_utils.py" in message, "the error names HF's padding-mask line"
+
+
+def test_plain_llama_mask_is_proven():
+    model = make_hf_model("llama")
+    for tokens in (1, 4):
+        cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+        gm, _ = capture_graph(OwnLoop(model, cache), torch.ones(2, tokens, dtype=torch.long))
+        plan = find(gm)
+        assert len(plan.sites) == 2 and all(s.mask.proven for s in plan.sites)
+
+
+def test_wrapper_refuses_sliding_window_and_other_attention():
+    with pytest.raises(ValueError, match="sliding-window"):
+        DCPCausalLM(make_hf_model("mistral", sliding_window=16), max_batch=2, max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        DCPCausalLM(make_hf_model("llama", attn_implementation="eager"), max_batch=2, max_seq_len=MAX_SEQ_LEN)
+
+
+class CrossAttention(graphs.GptFastStyle):
+    """Self-attention over its own cache, plus attention over encoder K/V held in a
+    cache buffer that this (decode) graph reads but never writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("enc_k", torch.randn(graphs.B, graphs.HKV, graphs.S, graphs.D))
+        self.register_buffer("enc_v", torch.randn(graphs.B, graphs.HKV, graphs.S, graphs.D))
+
+    def forward(self, x, input_pos):
+        out = super().forward(x, input_pos)
+        q = self.wq(x).view(graphs.B, x.shape[1], graphs.HQ, graphs.D).transpose(1, 2)
+        cross = torch.nn.functional.scaled_dot_product_attention(q, self.enc_k, self.enc_v, enable_gqa=True)  # CROSS
+        return out + cross
+
+
+def test_cross_attention_over_a_sharded_cache_is_refused():
+    module = CrossAttention()
+    group = dcp.DCPGroup(2, 0, torch.device("cpu"), None)  # never communicates: the backend refuses first
+    layout = KVLayout(2, 0, graphs.S)
+    for name in ("k_cache", "v_cache", "enc_k", "enc_v"):
+        register(getattr(module, name), CacheRecord(name, "target", 2, layout, (graphs.B, graphs.HKV, graphs.S, graphs.D)))
+    compiled = torch.compile(module, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True)
+    with pytest.raises(Exception, match="cross-attention") as error, torch.no_grad():
+        compiled(*graphs.inputs_for(module))
+    assert "enc_k" in str(error.value) and "CROSS" in str(error.value)

@@ -1,0 +1,49 @@
+"""Hugging Face models under DCP against themselves unsharded and eager, on gloo ranks."""
+
+import pytest
+import torch
+
+from dcp_compile.runtime.launch import spawn_ranks
+from dcp_compile.testing import FP32_TOLERANCE
+
+pytest.importorskip("transformers")
+
+from tests.hf.workers import MAX_SEQ_LEN, RAGGED_LENGTHS, hf_parity_worker  # noqa: E402
+
+STEPS = 6
+
+
+def assert_parity(ranks, family):
+    results = [r[family] for r in ranks]
+    for rank, r in enumerate(results):
+        for kind in ("", "ragged_") if "ragged_tokens" in r else ("",):
+            assert torch.equal(r[f"{kind}tokens"], r[f"reference_{kind}tokens"]), f"rank {rank}: {kind}tokens differ"
+            torch.testing.assert_close(r[f"{kind}logits"], r[f"reference_{kind}logits"], **FP32_TOLERANCE)
+            assert torch.equal(r[f"{kind}logits"], results[0][f"{kind}logits"]), "ranks must agree bitwise"
+
+
+# (family, also through DCPCausalLM with ragged prompts); one spawn per group size keeps CI short.
+FAMILIES = {
+    2: (("llama", True), ("qwen2", True), ("mistral", False)),
+    3: (("llama", True), ("qwen2", False)),
+}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_hf_parity(size):
+    """Llama and Qwen2 (and Mistral with sliding_window=None)."""
+    ranks = spawn_ranks(hf_parity_worker, size, FAMILIES[size], "aot_eager", STEPS, timeout=600)
+    local = -(-MAX_SEQ_LEN // size) + 1
+    for family, wrapped in FAMILIES[size]:
+        assert_parity(ranks, family)
+        r = ranks[0][family]
+        assert r["local_cache"] == (2, 2, local, 16), "DCPStaticCache holds S_loc + 1 slots"
+        assert r["collectives"] == [4, 4], "prefill and decode graphs: all-gather + wait per layer"
+        if wrapped:
+            assert r["wrapper_cache"] == (len(RAGGED_LENGTHS), 2, local, 16), "prepare shards the wrapper's cache"
+            assert r["wrapper_collectives"] == [4, 4]
+
+
+@pytest.mark.inductor
+def test_hf_parity_inductor():
+    assert_parity(spawn_ranks(hf_parity_worker, 2, (("llama", False),), "inductor", 3, timeout=900), "llama")

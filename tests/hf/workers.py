@@ -1,0 +1,211 @@
+"""Per-rank functions for the Hugging Face and gpt-fast tests (importable by spawned
+ranks).  ``transformers`` is imported inside the functions that need it."""
+
+from __future__ import annotations
+
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.models.llama import init_weights
+from dcp_compile.runtime.generate import greedy_decode
+from dcp_compile.testing import make_prompts
+
+VOCAB, MAX_SEQ_LEN = 128, 64
+RAGGED_LENGTHS = (5, 11, 17)
+
+
+def hf_config(family: str, **overrides):
+    """A tiny random-init config: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128."""
+    import transformers
+
+    shapes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=MAX_SEQ_LEN, attn_implementation="sdpa")
+    if family == "mistral":
+        shapes["sliding_window"] = None
+    shapes.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[family]
+    return cls(**shapes)
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers
+
+    config = hf_config(family, **overrides)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[family]
+    torch.manual_seed(seed)
+    return init_weights(cls(config), seed).eval()
+
+
+def own_loop(forward, prompt: torch.Tensor, steps: int, cache_kwargs: dict):
+    """The loop HF users write: prefill the prompt, then feed back the greedy token."""
+    ids, tokens, logits = prompt, [], []
+    for _ in range(steps + 1):
+        last = forward(input_ids=ids, **cache_kwargs).logits[:, -1].float()
+        ids = last.argmax(-1)[:, None]
+        tokens.append(ids[:, 0])
+        logits.append(last)
+    return torch.stack(tokens, dim=1), torch.stack(logits)
+
+
+def recompute_greedy(model, prompts, steps: int):
+    """Reference for ragged prompts: each sequence alone, no cache, full recompute."""
+    tokens, logits = [], []
+    for prompt in prompts:
+        seq, row_tokens, row_logits = list(prompt), [], []
+        for _ in range(steps + 1):
+            last = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+            seq.append(int(last.argmax()))
+            row_tokens.append(seq[-1])
+            row_logits.append(last)
+        tokens.append(row_tokens)
+        logits.append(torch.stack(row_logits))
+    return torch.tensor(tokens), torch.stack(logits, dim=1)  # [B, steps+1], [steps+1, B, V]
+
+
+def hf_parity_worker(rank, size, families, lowering, steps):
+    """Per ``(family, wrapped)``, an HF model on ``size`` ranks against itself unsharded and eager."""
+    group = dcp.init_group("cpu")
+    return {family: _hf_parity(group, family, wrapped, lowering, steps) for family, wrapped in families}
+
+
+def _hf_parity(group, family, wrapped, lowering, steps):
+    """The user's own StaticCache loop (DCPStaticCache), and when ``wrapped``, ragged
+    prompts through DCPCausalLM."""
+    from transformers import StaticCache
+
+    from dcp_compile.hf import DCPCausalLM, DCPStaticCache, cache_kwarg
+
+    torch._dynamo.reset()
+    model = make_hf_model(family)
+    kwarg = cache_kwarg(model)
+    prompt = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    backend = dcp.backend(group, lowering=lowering)
+    model_c = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    cache = DCPStaticCache(model.config, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    with torch.no_grad():
+        ref_tokens, ref_logits = own_loop(model, prompt, steps, {kwarg: StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)})
+        tokens, logits = own_loop(model_c, prompt, steps, {kwarg: cache})
+    result = dict(tokens=tokens, reference_tokens=ref_tokens, logits=logits, reference_logits=ref_logits,
+                  collectives=backend.collective_counts, local_cache=tuple(cache.store.k_0.shape))
+    if not wrapped:
+        return result
+
+    wrapper = DCPCausalLM(model, max_batch=len(RAGGED_LENGTHS), max_seq_len=MAX_SEQ_LEN)
+    dcp.prepare(wrapper, group, max_batch=len(RAGGED_LENGTHS), max_seq_len=MAX_SEQ_LEN)
+    wrapper_backend = dcp.backend(group, lowering=lowering)
+    wrapper_c = torch.compile(wrapper, backend=wrapper_backend, fullgraph=True, dynamic=False)
+    prompts = make_prompts(RAGGED_LENGTHS, vocab=VOCAB)
+    with torch.no_grad():
+        ragged = greedy_decode(wrapper_c, prompts, steps)
+        ref_ragged_tokens, ref_ragged_logits = recompute_greedy(model, prompts, steps)
+    return result | dict(
+        ragged_tokens=ragged.tokens, reference_ragged_tokens=ref_ragged_tokens,
+        ragged_logits=torch.stack(ragged.logits), reference_ragged_logits=ref_ragged_logits,
+        wrapper_collectives=wrapper_backend.collective_counts, wrapper_cache=tuple(wrapper.kv.k_0.shape),
+    )
+
+
+def gpt_fast_worker(rank, size, steps):
+    """The gpt-fast model file on ``size`` ranks against itself unsharded and eager; and
+    a model whose causal-mask table is not lower triangular, refused at prepare."""
+    from tests.hf.gpt_fast_model import ModelArgs, Transformer
+
+    group = dcp.init_group("cpu")
+    batch, max_seq_len = 2, 64
+
+    def build():
+        torch.manual_seed(0)
+        model = init_weights(Transformer(ModelArgs()), 0).eval()
+        model.setup_caches(batch, max_seq_len)
+        return model
+
+    model, reference = build(), build()
+    prepared = dcp.prepare(model, group, max_batch=batch, max_seq_len=max_seq_len)
+    backend = dcp.backend(group, lowering="aot_eager")
+    model_c = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    prompt = torch.randint(0, ModelArgs.vocab_size, (batch, 9), generator=torch.Generator().manual_seed(4))
+
+    def generate(forward):
+        input_pos = torch.arange(prompt.shape[1])
+        logits = forward(prompt, input_pos)[:, -1]
+        out_logits, out_tokens = [logits], [logits.argmax(-1)]
+        input_pos = torch.tensor([prompt.shape[1]])
+        for _ in range(steps):
+            logits = forward(out_tokens[-1][:, None], input_pos)[:, -1]
+            out_logits.append(logits)
+            out_tokens.append(logits.argmax(-1))
+            input_pos = input_pos + 1
+        return torch.stack(out_tokens, 1), torch.stack(out_logits)
+
+    with torch.no_grad():
+        tokens, logits = generate(model_c)
+        ref_tokens, ref_logits = generate(reference)
+
+    banded = build()
+    banded.causal_mask = banded.causal_mask & ~torch.tril(torch.ones_like(banded.causal_mask), -8)
+    try:
+        dcp.prepare(banded, group, max_batch=batch, max_seq_len=max_seq_len)
+        banded_error = None
+    except ValueError as error:
+        banded_error = str(error)
+    return dict(tokens=tokens, reference_tokens=ref_tokens, logits=logits, reference_logits=ref_logits,
+                collectives=backend.collective_counts, mask_buffers=prepared.mask_buffers,
+                causal_mask=tuple(model.causal_mask.shape), banded_error=banded_error)
+
+
+def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
+    """An HF Llama target (wrapped) and an EAGLE3 draft that agree most of the time: the
+    construction of ``dcp_compile.testing.agreeing_pair``, on HF weights."""
+    import transformers
+
+    from dcp_compile.hf import DCPCausalLM
+    from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
+
+    n_layers, vocab = 4, 32
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_seq_len,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = init_weights(transformers.LlamaForCausalLM(config), seed).eval()
+    aux = eagle3_aux_layers(n_layers)
+    target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux)
+    draft = init_weights(EagleDraft(DraftConfig(target.cfg, "eagle3", n_features=len(aux))), seed + 1).eval()
+    with torch.no_grad():
+        embedding = torch.randn(vocab, 64, generator=torch.Generator().manual_seed(seed + 2))
+        model.model.embed_tokens.weight.copy_(embedding)
+        model.lm_head.weight.copy_(4.0 * embedding / embedding.norm(dim=1, keepdim=True))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(noise)
+            layer.mlp.down_proj.weight.mul_(noise)
+        draft.embed.weight.copy_(embedding)
+        draft.head.weight.copy_(model.lm_head.weight)
+        draft.fc.weight.copy_(torch.cat([torch.eye(64) / len(aux)] * len(aux), dim=1))
+        draft.attention.wo.weight.mul_(noise)
+        draft.feed_forward.w2.weight.mul_(noise)
+    return target, draft
+
+
+def hf_spec_worker(rank, size, k, max_new_tokens, noise):
+    """EAGLE3 chain speculative decoding with an HF Llama target: the off arm (a group of
+    one, on every rank) and the DCP arm on all ``size`` ranks."""
+    group = dcp.init_group("cpu")
+    off = _hf_spec(dcp.DCPGroup(1, 0, torch.device("cpu"), None), k, max_new_tokens, noise)
+    torch._dynamo.reset()
+    return dict(off=off, dcp=_hf_spec(group, k, max_new_tokens, noise))
+
+
+def _hf_spec(group, k, max_new_tokens, noise):
+    from dcp_compile.passes.shard_attention import ALL_GATHER
+
+    target, draft = agreeing_hf_pair(noise)
+    decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, lowering="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
+    outputs = decoder.generate(prompts, max_new_tokens)
+    return dict(
+        tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
+        verify_all_gathers=[sum(n.target is ALL_GATHER for n in c.graph_module.graph.nodes)
+                            for c in decoder.verify_backend.compiled],
+        draft_collectives=decoder.draft_backend.collective_counts,
+    )
