@@ -6,7 +6,7 @@ tests.  The two forms the passes insert are built on it:
 
 - ``prefix_attention``: non-causal attention of the new queries over this rank's
   cached slots ``[0, kv_len_b)``; a ``torch.library`` custom op so that a GPU kernel
-  can be registered for it without touching the passes.
+  can be registered for it without touching the passes (``triton_prefix.py`` does).
 - ``window_attention``: attention of the new queries over the new keys/values still
   in hand, masked by their global positions (causal for prefill, decode and chain
   verify).

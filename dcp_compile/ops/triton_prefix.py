@@ -1,0 +1,302 @@
+"""Triton split-KV (flash-decoding) kernel for ``dcp::prefix_attention`` on CUDA.
+
+The plain torch ``prefix_attention`` in ``attention.py`` stays the specification, the
+CPU path and the test oracle; this module adds the GPU path beside it.
+
+Decode and verify bring ``T <= 16`` new queries against a long local cache, so the
+work is one read of K and V: the kernel is bound by HBM bandwidth, not arithmetic.
+Three choices follow from that:
+
+- One program serves a whole GQA group: the ``G`` query heads that share a KV head,
+  times the ``T`` tokens, are packed into one tile of ``ROWS`` query rows (padded to a
+  power of two >= 16, the smallest ``tl.dot`` tile), so each K/V block is loaded once,
+  not ``G * T`` times.
+- The cache length is split across programs (flash-decoding): a batch of 8 sequences
+  with 8 KV heads is only 64 programs, half of the H200's 132 SMs, so each (sequence,
+  KV head) is cut into ``num_splits`` slices, as many as fill one wave of the GPU
+  (``split_plan``).  Each slice writes a partial ``(out, lse)``; a second small
+  kernel merges the slices exactly with LSE weights (the same algebra as
+  ``lse_merge``).  With one slice the first kernel writes the result directly.
+- The split is fixed from the capacity ``S``, never from ``kv_len``: reading the
+  lengths on the host would sync the stream and break CUDA-graph capture.  Slices past
+  a sequence's length run no loop iteration and write ``lse = -inf``, ``out = 0``.
+
+Slots at or past ``kv_len[b]`` are never loaded (masked loads), and their scores are
+set to ``-inf`` with ``tl.where``, so NaN or inf left in unused slots cannot leak:
+``0 * NaN`` never happens.
+
+**How it is registered, and why.**  ``dcp::prefix_attention`` stays an ordinary
+``custom_op`` whose default kernel is the torch reference, so the CPU path and the
+graphs the passes build (which name ``torch.ops.dcp.prefix_attention``) are unchanged,
+and the op stays opaque on CPU.  The Triton path is a separate
+``torch.library.triton_op`` (``dcp::prefix_attention_triton``), reached two ways:
+
+- eager CUDA calls go through ``register_kernel("cuda")``;
+- under ``torch.compile`` a torch-dispatch rule for ``FunctionalTensorMode`` (the mode
+  AOTAutograd traces in) replaces a CUDA ``prefix_attention`` by the triton_op, which
+  AOTAutograd then decomposes into its ``wrap_triton`` launches.  Inductor therefore
+  sees the two kernels themselves, emits them in its own code (no Python dispatch, no
+  opaque fallback node inside its CUDA graphs), and plans their buffers.
+
+Making ``prefix_attention`` itself the triton_op would also inline the torch reference
+into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``
+alone would leave the Triton kernels hidden behind an opaque call.
+
+``prefix_attention_triton`` can be called directly, also on CPU tensors when
+``TRITON_INTERPRET=1`` was set before ``triton`` was imported: that is how the CI tests
+run the kernel without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op, wrap_triton
+
+from dcp_compile.ops.attention import prefix_attention
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_ROWS = 64
+"""Query rows (G * T) one program holds; more rows are split over row blocks, each
+rereading K/V (from L2 in practice)."""
+STAGE_BYTES = 64 * 1024
+"""Shared memory for one pipeline stage's K and V blocks: 128 slots of bf16 D=128.
+With NUM_STAGES = 3 that is 192 KB, so one program fills an H200 SM (228 KB); the
+block along S shrinks for wider heads or fp32 to stay at this size."""
+NUM_STAGES = 3
+NUM_WARPS = 8
+MAX_SPLITS = 64
+"""The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32."""
+DEFAULT_SM_COUNT = 132
+"""SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
+
+
+@triton.jit
+def _prefix_split_kernel(
+    Q, K, V, KV_LEN, O, LSE,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    S, T, G, split_len,
+    s_qb, s_qh, s_qt, s_qd,
+    s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd,
+    s_ob, s_oh, s_ot, s_os,
+    s_lb, s_lh, s_lt, s_ls,
+    ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    row_blocks = tl.cdiv(G * T, ROWS)
+    kv_head = tl.program_id(1) // row_blocks
+    row_block = tl.program_id(1) % row_blocks
+    b = tl.program_id(2).to(tl.int64)  # b * batch stride can pass 2**31 elements
+
+    # Row r of the tile is query head kv_head * G + r // T, token r % T.
+    rows = row_block * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < G * T
+    head = (kv_head * G + rows // T).to(tl.int64)
+    tok = rows % T
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+        Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt + offs_d[None, :] * s_qd,
+        mask=row_ok[:, None], other=0.0,
+    )
+
+    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    k_base = K + b * s_kb + kv_head.to(tl.int64) * s_kh
+    v_base = V + b * s_vb + kv_head.to(tl.int64) * s_vh
+
+    m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    # Every iteration holds at least one slot below hi, so m is finite after the first
+    # one and exp2(m - m_new) never sees -inf - -inf.
+    for start in range(lo, hi, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        live = offs_s < hi
+        k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None], other=0.0)
+        v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None], other=0.0)
+        # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
+        scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log
+    o_rows = b * s_ob + head * s_oh + tok * s_ot + split * s_os
+    tl.store(O + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt + split * s_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, LSE_PART, O, LSE, num_splits,
+    D: tl.constexpr, SPLITS: tl.constexpr,
+):
+    # One program per (b, h, t) row; partials are contiguous [rows, num_splits, (D)].
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    n_ok = offs_n < num_splits
+    lse = tl.load(LSE_PART + row * num_splits + offs_n, mask=n_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # No split saw a key: shift by 0 so every weight is exp(-inf) = 0, not exp(NaN).
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse - shift)
+    total = tl.sum(w, 0)
+    o = tl.load(
+        O_PART + row * num_splits * D + offs_n[:, None] * D + offs_d[None, :], mask=n_ok[:, None], other=0.0
+    )
+    seen = total > 0.0
+    total_safe = tl.where(seen, total, 1.0)
+    tl.store(O + row * D + offs_d, tl.sum(w[:, None] * o, 0) / total_safe)
+    tl.store(LSE + row, tl.where(seen, shift + tl.log(total_safe), float("-inf")))
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor) -> None:
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"prefix_attention expects q [B,Hq,T,D] and k_cache, v_cache [B,Hkv,S,D] of one shape; got q "
+            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    B, Hq, T, D = q.shape
+    Bk, Hkv, S, Dk = k_cache.shape
+    if Bk != B or Dk != D or Hq % Hkv:
+        raise ValueError(
+            f"prefix_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}: need the "
+            f"same B and D, and Hq a multiple of Hkv"
+        )
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(
+            f"the Triton prefix-attention kernel needs a head dim D that is a power of two in [16, 256], got "
+            f"D={D}; pad q, k_cache and v_cache with zeros along D to {max(16, 1 << (D - 1).bit_length())} "
+            f"(and keep the softmax scale of the original D), or run the reference on CPU"
+        )
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"the Triton prefix-attention kernel takes q, k_cache, v_cache of one dtype among "
+            f"{SUPPORTED_DTYPES}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if kv_len.shape != (B,) or kv_len.dtype.is_floating_point or kv_len.dtype == torch.bool:
+        raise ValueError(f"kv_len must be an integer tensor [B={B}], got {kv_len.dtype} {tuple(kv_len.shape)}")
+
+
+def default_block_s(head_dim: int, element_size: int) -> int:
+    """Slots per loop step: 128, or fewer where one stage would pass ``STAGE_BYTES``."""
+    return min(128, STAGE_BYTES // (2 * head_dim * element_size))
+
+
+def split_plan(
+    batch: int, kv_heads: int, row_blocks: int, capacity: int, block_s: int, sm_count: int
+) -> tuple[int, int]:
+    """``(num_splits, split_len)`` for a cache of ``capacity`` slots.
+
+    One program fills an SM (``STAGE_BYTES``), so the grid is sized to one full wave:
+    ``sm_count // programs`` slices, never more programs than SMs, and a grid that
+    already has more programs than SMs is not split.  On the H200 at Hkv=8, D=128 that
+    is 16 slices at B=1, 2 at B=8 and 1 at B=64.  Sweeps there put a partial second
+    wave at up to 15% below a full one, and more, shorter slices did no better.
+    """
+    blocks = triton.cdiv(max(capacity, 1), block_s)
+    wanted = max(1, sm_count // (batch * kv_heads * row_blocks))
+    return _splits_of(blocks, min(wanted, MAX_SPLITS), block_s)
+
+
+def _splits_of(blocks: int, num_splits: int, block_s: int) -> tuple[int, int]:
+    # Round the slice up to whole blocks, then drop the slices that would start past S.
+    split_blocks = triton.cdiv(blocks, max(1, min(num_splits, blocks)))
+    return triton.cdiv(blocks, split_blocks), split_blocks * block_s
+
+
+@triton_op("dcp::prefix_attention_triton", mutates_args=())
+def prefix_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_s: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+
+    ``num_splits`` (slices of the cache per sequence and KV head, at most
+    ``MAX_SPLITS``) and ``block_s`` (slots per loop step: 16, 32, 64 or 128) override
+    ``split_plan`` and ``default_block_s``, for tests and tuning.
+    """
+    _check(q, k_cache, v_cache, kv_len)
+    # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
+    # specializes on them here.
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, S = int(k_cache.shape[1]), int(k_cache.shape[2])
+    G = Hq // Hkv
+    if block_s is None:
+        block_s = default_block_s(D, q.element_size())
+    elif block_s not in (16, 32, 64, 128) or block_s > default_block_s(D, q.element_size()):
+        raise ValueError(
+            f"block_s must be one of 16, 32, 64, 128 and at most {default_block_s(D, q.element_size())} for "
+            f"D={D} in {q.dtype}, got {block_s}"
+        )
+    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(G * T)))
+    row_blocks = triton.cdiv(G * T, rows)
+    if num_splits is None:
+        sm_count = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda" else DEFAULT_SM_COUNT
+        )
+        num_splits, split_len = split_plan(B, Hkv, row_blocks, S, block_s, sm_count)
+    else:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+        num_splits, split_len = _splits_of(triton.cdiv(max(S, 1), block_s), num_splits, block_s)
+
+    out = torch.empty((B, Hq, T, D), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        # One slice: the split kernel writes the result itself (split stride 0).
+        o_part, lse_part = out, lse
+        o_strides = (*out.stride()[:3], 0)
+        l_strides = (*lse.stride(), 0)
+    else:
+        o_part = torch.empty((B, Hq, T, num_splits, D), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((B, Hq, T, num_splits), device=q.device, dtype=torch.float32)
+        o_strides = o_part.stride()[:4]
+        l_strides = lse_part.stride()
+    wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
+        q, k_cache, v_cache, kv_len, o_part, lse_part,
+        scale * 1.4426950408889634,
+        S, T, G, split_len,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
+        ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if num_splits > 1:
+        wrap_triton(_merge_splits_kernel)[(B * Hq * T,)](
+            o_part, lse_part, out, lse, num_splits,
+            D=D, SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out, lse
+
+
+@prefix_attention.register_kernel("cuda")
+def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale):
+    return prefix_attention_triton(q, k_cache, v_cache, kv_len, scale)
+
+
+@prefix_attention.register_torch_dispatch(FunctionalTensorMode)
+def _prefix_attention_functional(mode, op, types, args, kwargs):
+    q = args[0] if args else kwargs["q"]
+    if q.device.type != "cuda":
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return prefix_attention_triton(*args, **kwargs)
