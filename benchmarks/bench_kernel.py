@@ -1,0 +1,360 @@
+"""Prefix partial attention on one GPU: the Triton split-KV kernel against SDPA, flex
+attention and the HBM copy ceiling, over local context x batch.
+
+    python3 benchmarks/bench_kernel.py --out $OUT/kernel.json        # one H200, ~3 min
+    python3 benchmarks/bench_kernel.py --smoke --out /tmp/kernel.json  # CPU, Triton interpreter
+
+Shapes: Hq=32, Hkv=8, D=128, bf16, T=1 (decode), plus T=4 (verify) at two points;
+every sequence uses its whole local context (kv_len = S).  Arms:
+
+- ``ours``: ``torch.ops.dcp.prefix_attention`` on CUDA tensors (the Triton kernel, out
+  fp32 and lse);
+- ``sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)``, no lse;
+- ``flex``: ``torch.compile(flex_attention)`` with the lse and a kv_len block mask;
+- ``copy``: ``dst.copy_(src)`` of a tensor of the KV size, at most 1 GiB (timed in a
+  graph and eagerly; the faster counts, see ``copy_arm``).
+
+Bandwidth conventions, printed with the results: an attention arm moves the bytes of K
+and V it reads, ``B * Hkv * S * D * 2 (K and V) * 2 (bf16)``; the copy moves the bytes it
+reads plus the bytes it writes (the usual copy-bandwidth convention).  ``% copy`` is the
+attention arm's TB/s over the copy's.
+
+Each timing is the median over ``--reps`` replays of a CUDA graph (CUDA events; eager
+launches if capture fails, as the ``method`` field says).  Where one call reads less
+than 512 MiB, the graph calls the arm on several copies of K/V in turn, so every call
+reads from HBM rather than from the 60 MB L2.  A failing arm prints its error and the
+sweep goes on.  The run starts with a correctness check of the kernel against the
+reference and exits 1 if it is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
+BATCHES = (1, 8, 64)
+VERIFY_POINTS = ((8, 8192), (8, 65536))  # (batch, context) also run with T=4
+MAX_KV_BYTES = 60e9
+COLD_BYTES = 512 * 2**20  # bytes one timed graph reads at least: ~8x the H200's L2
+COPY_CAP_BYTES = 2**30
+SMOKE = dict(contexts=(200, 333), batches=(1, 2), verify=((2, 333),), hq=8, hkv=2, d=64, reps=3, warmup=1)
+# Correctness: the kernel rounds probabilities to bf16 before the PV product.
+CHECK_TOLERANCE = dict(out=3e-2, lse=1e-3)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="write the JSON results here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on CPU, the kernel under TRITON_INTERPRET=1, perf_counter timing")
+    parser.add_argument("--contexts", type=int, nargs="*", default=CONTEXTS)
+    parser.add_argument("--batches", type=int, nargs="*", default=BATCHES)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--arms", nargs="*", default=("ours", "sdpa", "flex", "copy"))
+    parser.add_argument("--flex-budget-s", type=float, default=150.0,
+                        help="skip the flex arm (its compiles) once the run is this old")
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:
+    # Read when triton is imported, so set before anything imports it.
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.ops.triton_interpret import patch_interpreter
+
+    patch_interpreter()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from dcp_compile.ops import attention_with_lse, prefix_attention_triton  # noqa: E402
+from dcp_compile.ops import triton_prefix  # noqa: E402
+
+
+class Timer:
+    """Median seconds per call of a list of calls (one per K/V copy)."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int):
+        self.device, self.reps, self.warmup = device, reps, warmup
+
+    def __call__(self, calls, graph: bool = True) -> tuple[float, str]:
+        for call in calls:  # compiles, autotunes, allocates
+            call()
+        if self.device.type != "cuda":
+            return self._median(lambda: [c() for c in calls], len(calls), self._cpu_seconds), "perf_counter"
+        torch.cuda.synchronize()
+        if not graph:
+            return self._median(lambda: [c() for c in calls], len(calls), self._cuda_seconds), "eager"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for call in calls:
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+            run, method = graph.replay, "cuda-graph"
+        except Exception as exc:  # noqa: BLE001 - fall back to eager launches, say so
+            torch.cuda.synchronize()
+            run, method = (lambda: [c() for c in calls]), f"eager ({type(exc).__name__})"
+        return self._median(run, len(calls), self._cuda_seconds), method
+
+    def _median(self, run, calls: int, seconds) -> float:
+        for _ in range(self.warmup):
+            run()
+        return statistics.median(seconds(run) for _ in range(self.reps)) / calls
+
+    @staticmethod
+    def _cuda_seconds(run) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    @staticmethod
+    def _cpu_seconds(run) -> float:
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+
+def short_error(exc: Exception) -> str:
+    """The exception's first line and, for wrapped compile errors, its innermost cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    causes = [line for line in lines[1:] if "Error" in line and not line.startswith("Set TORCH")]
+    return f"{type(exc).__name__}: " + " ... ".join([lines[0][:200]] + [c[:300] for c in causes[-1:]])
+
+
+def ours_fn(device):
+    # On CPU the op is the torch reference, so the smoke run calls the Triton op directly.
+    return torch.ops.dcp.prefix_attention if device.type == "cuda" else prefix_attention_triton
+
+
+def check_kernel(device, hq, hkv, d) -> bool:
+    """The kernel through the op against the fp32 reference on clean K/V, with NaN in
+    every slot past kv_len; ragged lengths 0, S and one that ends mid-block."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    ok = True
+    S = 1000 if device.type == "cuda" else 150
+    for t in (1, 4):
+        q = torch.randn(3, hq, t, d, device=device, generator=gen, dtype=torch.bfloat16)
+        k = torch.randn(3, hkv, S, d, device=device, generator=gen, dtype=torch.bfloat16)
+        v = torch.randn(3, hkv, S, d, device=device, generator=gen, dtype=torch.bfloat16)
+        kv_len = torch.tensor([0, S, S * 3 // 4 + 5], device=device)
+        unused = (torch.arange(S, device=device)[None, :] >= kv_len[:, None])[:, None, :, None]
+        out, lse = ours_fn(device)(q, k.masked_fill(unused, float("nan")), v.masked_fill(unused, float("nan")),
+                                   kv_len, d**-0.5)
+        allowed = (torch.arange(S, device=device)[None, :] < kv_len[:, None])[:, None, :]
+        ref_out, ref_lse = attention_with_lse(q, k, v, allowed, d**-0.5)
+        finite = torch.isfinite(ref_lse)
+        out_err = (out - ref_out).abs().max().item()
+        lse_err = (lse[finite] - ref_lse[finite]).abs().max().item()
+        empty_ok = bool((lse[~finite] == float("-inf")).all() and (out[0] == 0).all())
+        good = (out_err <= CHECK_TOLERANCE["out"] and lse_err <= CHECK_TOLERANCE["lse"] and empty_ok
+                and not torch.isnan(out).any().item())
+        print(f"check T={t}: max |out - ref| {out_err:.2e} (tol {CHECK_TOLERANCE['out']}), max |lse - ref| "
+              f"{lse_err:.2e} (tol {CHECK_TOLERANCE['lse']}), empty rows 0/-inf: {empty_ok} -> "
+              f"{'ok' if good else 'WRONG'}")
+        ok &= good
+    return ok
+
+
+def flex_arm(device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        lse_kwargs = dict(return_aux=AuxRequest(lse=True))
+    except ImportError:  # torch releases before return_aux
+        lse_kwargs = dict(return_lse=True)
+    compiled = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+    def make(q, copies, kv_len, scale):
+        def live(b, h, q_idx, kv_idx):
+            return kv_idx < kv_len[b]
+
+        mask = create_block_mask(live, q.shape[0], None, q.shape[2], copies[0][0].shape[2], device=device)
+        return [lambda k=k, v=v: compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, **lse_kwargs)
+                for k, v in copies]
+
+    return make
+
+
+def run_point(batch, context, t, cfg, device, timer, started, copy_cache):
+    hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
+    kv_bytes = batch * hkv * context * d * 2 * 2
+    point = dict(batch=batch, context=context, t=t, kv_bytes=kv_bytes, arms={})
+    row_blocks = triton.cdiv(hq // hkv * t, triton_prefix.MAX_ROWS)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
+        triton_prefix.DEFAULT_SM_COUNT
+    block_s = triton_prefix.default_block_s(d, 2)
+    point["num_splits"], _ = triton_prefix.split_plan(batch, hkv, row_blocks, context, block_s, sms)
+    gen = torch.Generator(device=device).manual_seed(batch * 1000 + context + t)
+    n_copies = max(1, math.ceil(COLD_BYTES / kv_bytes)) if device.type == "cuda" else 1
+    q = torch.randn(batch, hq, t, d, device=device, dtype=torch.bfloat16, generator=gen)
+    copies = [(torch.randn(batch, hkv, context, d, device=device, dtype=torch.bfloat16, generator=gen),
+               torch.randn(batch, hkv, context, d, device=device, dtype=torch.bfloat16, generator=gen))
+              for _ in range(n_copies)]
+    kv_len = torch.full((batch,), context, device=device, dtype=torch.int64)
+    scale = d**-0.5
+    ours = ours_fn(device)
+    arms = {
+        "ours": lambda: [lambda k=k, v=v: ours(q, k, v, kv_len, scale) for k, v in copies],
+        "sdpa": lambda: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+                         for k, v in copies],
+        "flex": lambda: flex_arm(device)(q, copies, kv_len, scale),
+    }
+    for name in ARGS.arms:
+        if name == "copy":
+            continue
+        if name == "flex" and time.monotonic() - started > ARGS.flex_budget_s:
+            point["arms"][name] = dict(error=f"skipped: run older than --flex-budget-s={ARGS.flex_budget_s}")
+            continue
+        try:
+            if name == "flex" and device.type == "cuda":
+                torch._dynamo.reset()  # a fresh compile per shape, never the recompile limit's eager fallback
+            seconds, method = timer(arms[name]())
+            point["arms"][name] = dict(ms=seconds * 1e3, tbps=kv_bytes / seconds / 1e12, method=method)
+        except Exception as exc:  # noqa: BLE001 - one failing arm must not stop the sweep
+            point["arms"][name] = dict(error=short_error(exc))
+            print(f"  {name} failed at B={batch} context={context} T={t}: {short_error(exc)}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    del copies
+    if "copy" in ARGS.arms:
+        point["arms"]["copy"] = copy_arm(min(kv_bytes, COPY_CAP_BYTES), device, timer, copy_cache)
+    copy_tbps = point["arms"].get("copy", {}).get("tbps")
+    for arm in point["arms"].values():
+        if copy_tbps and "tbps" in arm and arm is not point["arms"]["copy"]:
+            arm["pct_copy"] = 100 * arm["tbps"] / copy_tbps
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return point
+
+
+def copy_arm(nbytes, device, timer, cache):
+    """Copy bandwidth for a tensor of ``nbytes``, counting bytes read plus written.
+
+    Timed both inside a CUDA graph and from eager launches, and the faster is the
+    ceiling: on the H200, a graph of one memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s
+    where eager copies and graphs of several smaller copies ran at ~4.2 TB/s."""
+    if nbytes in cache:
+        return cache[nbytes]
+    n_copies = max(1, math.ceil(COLD_BYTES / nbytes)) if device.type == "cuda" else 1
+    result = dict(copied_bytes=nbytes, timings={})
+    try:
+        pairs = [(torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_(),
+                  torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_copies)]
+        calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
+        for graph in (True, False):
+            seconds, method = timer(calls, graph=graph)
+            result["timings"][method] = dict(ms=seconds * 1e3, tbps=2 * nbytes / seconds / 1e12)
+        del pairs, calls
+        method, best = max(result["timings"].items(), key=lambda item: item[1]["tbps"])
+        result.update(best, method=method)
+    except Exception as exc:  # noqa: BLE001
+        result["error"] = short_error(exc)
+    cache[nbytes] = result
+    return result
+
+
+def table(points) -> str:
+    head = ("| B | context | T | KV GB | splits | ours ms | ours TB/s | ours % copy | SDPA TB/s | SDPA % copy "
+            "| flex TB/s | copy TB/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(arm, key, fmt):
+        if key in arm:
+            return fmt.format(arm[key])
+        return "fail" if "error" in arm and not arm["error"].startswith("skipped") else "-"
+
+    for p in points:
+        a = p["arms"]
+        o, s, f, c = (a.get(n, {}) for n in ("ours", "sdpa", "flex", "copy"))
+        context = f"{p['context'] // 1024}K" if p["context"] % 1024 == 0 else str(p["context"])
+        lines.append(
+            f"| {p['batch']} | {context} | {p['t']} | {p['kv_bytes'] / 1e9:.2f} | {p['num_splits']} "
+            f"| {cell(o, 'ms', '{:.3f}')} | {cell(o, 'tbps', '{:.2f}')} | {cell(o, 'pct_copy', '{:.0f}%')} "
+            f"| {cell(s, 'tbps', '{:.2f}')} | {cell(s, 'pct_copy', '{:.0f}%')} | {cell(f, 'tbps', '{:.2f}')} "
+            f"| {cell(c, 'tbps', '{:.2f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    started = time.monotonic()
+    if ARGS.smoke:
+        device = torch.device("cpu")
+        cfg = dict(hq=SMOKE["hq"], hkv=SMOKE["hkv"], d=SMOKE["d"])
+        contexts, batches, verify = SMOKE["contexts"], SMOKE["batches"], SMOKE["verify"]
+        timer = Timer(device, SMOKE["reps"], SMOKE["warmup"])
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU, or pass --smoke for the CPU interpreter run", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        cfg = dict(hq=32, hkv=8, d=128)
+        contexts, batches, verify = ARGS.contexts, ARGS.batches, VERIFY_POINTS
+        timer = Timer(device, ARGS.reps, ARGS.warmup)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        gpu=gpu, sms=torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None,
+        torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0],
+        command="python3 " + " ".join(sys.argv), config=dict(cfg, dtype="bfloat16"),
+        kernel=dict(block_s=triton_prefix.default_block_s(cfg["d"], 2), num_warps=triton_prefix.NUM_WARPS,
+                    num_stages=triton_prefix.NUM_STAGES),
+        conventions=dict(attention="TB/s = bytes of K and V read / time",
+                         copy="TB/s = (bytes read + bytes written) / time",
+                         pct_copy="attention TB/s / copy TB/s",
+                         timing="median of CUDA-event timed graph replays (copy: the faster of graph and eager)"),
+    )
+    print(f"{env['gpu']}; torch {env['torch']}; triton {env['triton']}; python {env['python']}")
+    print(f"command: {env['command']}")
+    if not check_kernel(device, **cfg):
+        print("the kernel disagrees with the reference: no timings", file=sys.stderr)
+        Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=False), indent=1))
+        return 1
+
+    plan = [(b, s, 1) for s in contexts for b in batches] + [(b, s, 4) for b, s in verify]
+    points, copy_cache = [], {}
+    for batch, context, t in plan:
+        kv_bytes = batch * cfg["hkv"] * context * cfg["d"] * 4
+        if kv_bytes > MAX_KV_BYTES:
+            print(f"skip B={batch} context={context}: {kv_bytes / 1e9:.1f} GB of KV > {MAX_KV_BYTES / 1e9:.0f} GB")
+            continue
+        point = run_point(batch, context, t, cfg, device, timer, started, copy_cache)
+        points.append(point)
+        summary = ", ".join(f"{n} {a['tbps']:.2f} TB/s" if "tbps" in a else f"{n} {a['error'][:60]}"
+                            for n, a in point["arms"].items())
+        print(f"B={batch} context={context} T={t} splits={point['num_splits']}: {summary}  "
+              f"[{time.monotonic() - started:.0f}s]", flush=True)
+    print()
+    print("Attention TB/s = bytes of K and V read / time; copy TB/s = (bytes read + written) / time; "
+          "% copy = attention TB/s / copy TB/s.")
+    print(table(points))
+    env["seconds"] = round(time.monotonic() - started, 1)
+    Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, points=points), indent=1))
+    print(f"\nwrote {ARGS.out} ({env['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
