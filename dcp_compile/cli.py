@@ -17,9 +17,9 @@ import time
 import torch
 
 DEMO_PROMPTS = (
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef list_python_files(root):\n",
-    "class Stack:\n    def __init__(self):\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'import os\n\n\ndef list_python_files(root):\n    """',
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
 )
 DEMO_EOS = 0  # the document separator the shipped model was trained with
 
