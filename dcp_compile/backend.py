@@ -26,6 +26,7 @@ from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.pipeline import PassTiming
+from dcp_compile.passes.shard_attention import COMMS
 from dcp_compile.passes.fx_utils import GraphPatternError, where
 from dcp_compile.runtime.caches import ROLES, CacheRecord, is_checked_table, record_for
 from dcp_compile.runtime.group import DCPGroup
@@ -54,6 +55,9 @@ class Backend:
     """Target verify graphs: the new tokens' K/V wait in staging slots for
     ``KVCommit`` instead of going to their owners (needs ``prepare(verify_tokens=...)``).
     A group of size 1 writes in place, as plain ``torch.compile`` does."""
+    comm: str = "ag"
+    """How the ranks' partial attentions meet: ``"ag"`` (one all-gather per layer) or
+    ``"a2a"`` (all-to-all by head group, local merge, all-gather of merged heads)."""
     check_positions: bool = True
     """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
     device-to-host sync per call on GPU."""
@@ -66,6 +70,8 @@ class Backend:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.comm not in COMMS:
+            raise ValueError(f"comm must be one of {COMMS}, got {self.comm!r}")
 
     @property
     def collective_counts(self) -> list[int]:
@@ -118,7 +124,9 @@ class Backend:
         if self.role == "draft":
             passes = draft_passes()
         elif self.group.size > 1:
-            passes = target_passes(records[0].layout, self.group.group_name, self._staging_first_slot(plan, records))
+            passes = target_passes(
+                records[0].layout, self.group.group_name, self._staging_first_slot(plan, records), self.comm
+            )
         else:
             passes = []
         if self.dump_dir is not None:
@@ -196,10 +204,13 @@ def backend(
     *,
     verify: bool = False,
     lowering: str = "inductor",
+    comm: str = "ag",
     check_positions: bool = True,
     dump_dir: str | Path | None = None,
 ) -> Backend:
     """A torch.compile backend for ``role`` (``"target"`` or ``"draft"``) on ``group``."""
     if verify and role != "target":
         raise ValueError("verify=True applies to target graphs; draft graphs are never sharded")
-    return Backend(group, role, lowering, verify, check_positions, Path(dump_dir) if dump_dir is not None else None)
+    return Backend(
+        group, role, lowering, verify, comm, check_positions, dump_dir=Path(dump_dir) if dump_dir is not None else None
+    )

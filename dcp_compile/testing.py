@@ -38,7 +38,7 @@ def capture_graph(model: nn.Module, *inputs):
     return trace_graph(model, inputs)
 
 
-def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, interleave: int = 1) -> dict:
+def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, interleave: int = 1, comm: str = "ag") -> dict:
     """Greedy-decode the reference model sharded over ``size`` gloo ranks and unsharded."""
     group = dcp.init_group("cpu")
     cfg = LlamaConfig(gqa=gqa, max_batch=len(PROMPT_LENGTHS))
@@ -46,7 +46,7 @@ def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, int
     reference = greedy_decode(make_model(cfg), prompts, steps)
     model = make_model(cfg)
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
-    backend = dcp.backend(group, "target", lowering=lowering)
+    backend = dcp.backend(group, "target", lowering=lowering, comm=comm)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     result = greedy_decode(compiled, prompts, steps)
     return dict(

@@ -1,7 +1,8 @@
 """check: enforce the invariants the compiled graph must hold before lowering.
 
 Target (after shard_kv_writes + shard_attention):
-- exactly one merge and one collective per attention site found by ``find``;
+- exactly one merge per attention site found by ``find``, and one all-gather (``ag``)
+  or one all-to-all plus one all-gather (``a2a``);
 - each write stores at local slots (owner-or-trash, or staging for verify graphs);
 - each cache buffer is used only by its write and by the cascade's prefix read, so no
   node reads a full-length KV tensor.
@@ -23,7 +24,7 @@ from torch.fx import GraphModule
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.fx_utils import where
 from dcp_compile.passes.kv_index import cache_BHSD, local_slots, positions_node, staging_slots
-from dcp_compile.passes.shard_attention import ALL_GATHER, merge_gathered
+from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, merge_exchanged, merge_gathered
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
 
@@ -40,11 +41,14 @@ def count_targets(gm: GraphModule) -> Counter:
     return Counter(node.target for node in gm.graph.nodes if node.op == "call_function")
 
 
-def check_target(gm: GraphModule, plan: Plan) -> GraphModule:
+def check_target(gm: GraphModule, plan: Plan, comm: str = "ag") -> GraphModule:
     counts = count_targets(gm)
     sites = len(plan.sites)
-    assert counts[merge_gathered] == sites, f"expected {sites} merges, found {counts[merge_gathered]}"
+    merge = merge_gathered if comm == "ag" else merge_exchanged
+    assert counts[merge] == sites, f"expected {sites} merges, found {counts[merge]}"
     assert counts[ALL_GATHER] == sites, f"expected {sites} all-gathers, found {counts[ALL_GATHER]}"
+    expected_a2a = sites if comm == "a2a" else 0
+    assert counts[ALL_TO_ALL] == expected_a2a, f"expected {expected_a2a} all-to-alls, found {counts[ALL_TO_ALL]}"
     for write in plan.writes:
         stored_at = positions_node(write.node, write.index)
         assert stored_at.target in (local_slots, staging_slots), f"KV write {where(write.node)} still stores at global positions"

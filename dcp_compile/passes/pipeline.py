@@ -29,12 +29,13 @@ class PassTiming:
     seconds: float
 
 
-def target_passes(layout: KVLayout, group_name: str, staging_first_slot: int | None = None) -> list[Pass]:
-    """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit."""
+def target_passes(layout: KVLayout, group_name: str, staging_first_slot: int | None = None, comm: str = "ag") -> list[Pass]:
+    """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit.
+    ``comm``: how partials meet (``shard_attention.COMMS``)."""
     return [
         functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot),
-        functools.partial(shard_attention, layout=layout, group_name=group_name),
-        check_target,
+        functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm),
+        functools.partial(check_target, comm=comm),
     ]
 
 

@@ -34,12 +34,19 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import window_attention
 from dcp_compile.ops.merge import lse_merge
 from dcp_compile.passes.find import AttentionSite, Plan
-from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value
+from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
 from dcp_compile.passes.kv_index import cache_BHSD, prefix_lengths, window_kv, window_positions
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
+COMMS = ("ag", "a2a")
+"""How the partials meet: ``"ag"`` all-gathers every rank's ``[out | lse]`` and every
+rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of the
+heads (all-to-all), merges those, then all-gathers the merged heads (in the output
+dtype).  a2a moves fewer bytes and merges 1/N of the heads per rank, for a second
+collective per layer; which wins is measured (``benchmarks/bench_merge.py``)."""
 
 
 def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -58,7 +65,31 @@ def merge_gathered(
     return out.to(dtype)
 
 
-def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str) -> None:
+def split_heads(packed: torch.Tensor, *, size: int) -> torch.Tensor:
+    """``[B, H, T, D+1]`` -> ``[size, B, H/size, T, D+1]``: row ``j`` is what rank ``j`` merges."""
+    B, H, T, W = packed.shape
+    return packed.view(B, size, H // size, T, W).movedim(1, 0).contiguous()
+
+
+def merge_exchanged(
+    exchanged: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, rank: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Merge this rank's heads: every rank's prefix (rank order) and the window; ``[B, H/size, T, D]``."""
+    heads = window_out.shape[1] // size
+    own = slice(rank * heads, (rank + 1) * heads)
+    outs = torch.cat([exchanged[..., :-1], window_out[:, own].unsqueeze(0)], dim=0)
+    lses = torch.cat([exchanged[..., -1], window_lse[:, own].unsqueeze(0)], dim=0)
+    out, _ = lse_merge(outs, lses)
+    return out.to(dtype).contiguous()
+
+
+def join_heads(gathered: torch.Tensor, *, size: int) -> torch.Tensor:
+    """``[size * B, H/size, T, D]`` (rank-major) -> ``[B, H, T, D]``."""
+    _, heads, T, D = gathered.shape
+    return gathered.view(size, -1, heads, T, D).movedim(0, 1).reshape(-1, size * heads, T, D)
+
+
+def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str, comm: str) -> None:
     graph = gm.graph
     k_write, v_write = site.k_write, site.v_write
     batch = k_write.index.batch
@@ -85,26 +116,48 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         packed = graph.call_function(
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
-        gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
-        window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
-        gathered = graph.call_function(WAIT, (gathered,))
-        out = graph.call_function(
-            merge_gathered,
-            (gathered, graph.call_function(operator.getitem, (window, 0)), graph.call_function(operator.getitem, (window, 1))),
-            dict(size=layout.size, dtype=out_dtype),
-        )
-    for node in (positions, *new_kv, *caches, kv_len, prefix, packed, gathered, window, out):
+        # The window attention is placed between each collective and its wait, so
+        # it can run while the partials are in flight.
+        if comm == "ag":
+            gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
+            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            gathered = graph.call_function(WAIT, (gathered,))
+            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+            out = graph.call_function(merge_gathered, (gathered, *window_parts), dict(size=layout.size, dtype=out_dtype))
+            comm_nodes = [gathered]
+        else:
+            send = graph.call_function(split_heads, (packed,), dict(size=layout.size))
+            splits = [1] * layout.size
+            exchanged = graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name))
+            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            exchanged = graph.call_function(WAIT, (exchanged,))
+            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+            merged = graph.call_function(
+                merge_exchanged, (exchanged, *window_parts), dict(size=layout.size, rank=layout.rank, dtype=out_dtype)
+            )
+            gathered = graph.call_function(WAIT, (graph.call_function(ALL_GATHER, (merged, layout.size, group_name)),))
+            out = graph.call_function(join_heads, (gathered,), dict(size=layout.size))
+            comm_nodes = [send, exchanged, merged, gathered]
+    for node in (positions, *new_kv, *caches, kv_len, prefix, packed, window, out, *comm_nodes):
         node.meta["stack_trace"] = site.node.meta.get("stack_trace")
     site.node.replace_all_uses_with(out)
     graph.erase_node(site.node)
     erase_dead_pure_nodes(gm, old_inputs)
 
 
-def shard_attention(gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str) -> GraphModule:
+def shard_attention(gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str, comm: str = "ag") -> GraphModule:
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     for site in plan.sites:
         if not site.mask.proven:
             raise GraphPatternError(site.mask.failure)
+        heads = fake_value(site.query).shape[1]
+        if comm == "a2a" and heads % layout.size:
+            raise ValueError(
+                f"comm='a2a' splits the {heads} query heads of the attention at {where(site.node)} over {layout.size} "
+                f"ranks, which needs heads divisible by the DCP size; use comm='ag' for this model"
+            )
     for site in plan.sites:
-        _rewrite_site(gm, site, layout, group_name)
+        _rewrite_site(gm, site, layout, group_name, comm)
     gm.recompile()
     return gm

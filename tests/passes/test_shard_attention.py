@@ -7,7 +7,9 @@ from dcp_compile.passes import check_target, find, shard_attention, shard_kv_wri
 from dcp_compile.passes.check import count_collectives, count_targets
 from dcp_compile.passes.fx_utils import is_sdpa
 from dcp_compile.passes.kv_index import cache_BHSD
-from dcp_compile.passes.shard_attention import ALL_GATHER, PREFIX_ATTENTION, WAIT, merge_gathered
+from dcp_compile.passes.shard_attention import (
+    ALL_GATHER, ALL_TO_ALL, PREFIX_ATTENTION, WAIT, merge_exchanged, merge_gathered,
+)
 from dcp_compile.testing import capture_graph
 from tests.passes import graphs
 
@@ -55,6 +57,39 @@ def test_reference_model_gets_one_collective_per_layer():
     assert not any(n.op == "call_method" and n.target == "repeat_interleave" for n in gm.graph.nodes), (
         "the full-cache GQA replication is dead after the rewrite and must be gone"
     )
+
+
+def test_all_to_all_form_exchanges_then_gathers_merged_heads():
+    from dcp_compile.models import LlamaConfig
+    from dcp_compile.testing import make_model
+
+    cfg = LlamaConfig(n_layers=2)
+    model = make_model(cfg)
+    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
+    gm, _ = capture_graph(model, tokens, tokens.clone())
+    plan = find(gm)
+    layout = KVLayout(2, 1, cfg.max_seq_len)
+    shard_kv_writes(gm, plan, layout=layout)
+    shard_attention(gm, plan, layout=layout, group_name="g", comm="a2a")
+    check_target(gm, plan, comm="a2a")
+    counts = count_targets(gm)
+    assert counts[ALL_TO_ALL] == counts[ALL_GATHER] == counts[merge_exchanged] == cfg.n_layers
+    assert counts[merge_gathered] == 0
+    with pytest.raises(AssertionError, match="expected 2 merges, found 0"):
+        check_target(gm, plan, comm="ag")
+
+
+def test_all_to_all_needs_heads_divisible_by_the_group():
+    from dcp_compile.models import LlamaConfig
+    from dcp_compile.testing import make_model
+
+    cfg = LlamaConfig(n_layers=1)  # 4 query heads
+    model = make_model(cfg)
+    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
+    gm, _ = capture_graph(model, tokens, tokens.clone())
+    plan = find(gm)
+    with pytest.raises(ValueError, match="4 query heads .* over 3 ranks.*use comm='ag'"):
+        shard_attention(gm, plan, layout=KVLayout(3, 0, cfg.max_seq_len), group_name="g", comm="a2a")
 
 
 def test_attention_over_in_graph_tensors_is_not_rewritten():

@@ -30,6 +30,16 @@ def test_parity_aot_eager(size):
         assert r["collectives"] == [expected_collectives] * 2, "one prefill and one decode graph"
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_parity_all_to_all_by_head_group(size):
+    # 4 query heads: a2a gives each of 2 (4) ranks 2 (1) heads to merge.
+    results = spawn_ranks(parity_worker, size, "aot_eager", "enable_gqa", STEPS, 1, "a2a", timeout=600)
+    assert_parity(results, size)
+    cfg = LlamaConfig()
+    for r in results:
+        assert r["collectives"] == [4 * cfg.n_layers] * 2, "all-to-all + all-gather and their waits, per layer"
+
+
 @pytest.mark.parametrize("gqa,interleave", [("repeat_interleave", 2), ("expand", 4)])
 def test_parity_gqa_forms_and_interleave(gqa, interleave):
     assert_parity(spawn_ranks(parity_worker, 3, "aot_eager", gqa, STEPS, interleave, timeout=600), 3)
