@@ -124,6 +124,8 @@ class SpecDecoder:
         temperature: float = 0.0,
         seed: int = 0,
         lowering: str = "inductor",
+        comm: str = "ag",
+        cuda_graphs: bool = False,
     ):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
@@ -156,14 +158,31 @@ class SpecDecoder:
         )
         prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
 
-        self.target_backend = make_backend(group, "target", lowering=lowering)
-        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering)
-        self.draft_backend = make_backend(group, "draft", lowering=lowering)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {self.device}")
+        # Captured steps cannot sync to check positions on the host; admission control
+        # below already keeps every request inside the cache.
+        checked = not cuda_graphs
+        self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm)
+        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm, check_positions=checked)
+        self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
         self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
         self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
         self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         self.commit = KVCommit(target)
         self.commit_c = torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
+        # The per-step calls (verify, commit, draft extend and chain step) have fixed
+        # shapes; prefills vary with the prompts and stay uncaptured.
+        self.graph_runners: list = []
+        self.draft_step = self.draft_forward
+        if cuda_graphs:
+            from dcp_compile.runtime.cuda_graphs import GraphRunner
+
+            pool = torch.cuda.graph_pool_handle()
+            self.target_verify, self.commit_c, self.draft_step = (
+                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.commit_c, self.draft_forward)
+            )
+            self.graph_runners = [self.target_verify, self.commit_c, self.draft_step]
 
     def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
         if self.temperature == 0:
@@ -250,7 +269,7 @@ class SpecDecoder:
                 drafts.append(token)
                 draft_probs.append(q)
                 if j < k - 1:
-                    step_logits, step_hidden = self.draft_forward(token[:, None], (length + j)[:, None], hidden)
+                    step_logits, step_hidden = self.draft_step(token[:, None], (length + j)[:, None], hidden)
                     q_logits, hidden = step_logits[:, 0], step_hidden
             drafts = torch.stack(drafts, dim=1)  # [B, k]
             verify_tokens = torch.cat([current[:, None], drafts], dim=1)
@@ -270,7 +289,7 @@ class SpecDecoder:
             self.commit_c(length, committed)
             # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
             extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
-            extend_logits, extend_hidden = self.draft_forward(extend_tokens, verify_positions, features)
+            extend_logits, extend_hidden = self.draft_step(extend_tokens, verify_positions, features)
             q_logits, hidden = extend_logits[rows, accepted], extend_hidden[rows, accepted][:, None]
             # A row that finished stays where it was: its later (ignored) verify windows
             # must not run past the cache it was admitted for.

@@ -1,0 +1,78 @@
+"""CUDA-graph replay of compiled steps, the collectives inside.
+
+``GraphRunner(fn)`` captures ``fn`` once per input signature (shapes, dtypes, devices)
+and replays it after that: inputs are copied into the captured buffers, outputs are
+cloned out of them, so a caller may keep an output across the next replay.  The
+compiled graphs' roles are fixed at compile time, so a captured target step holds its
+all-gathers and a captured draft step holds none: replay cannot disagree with capture
+about what is sharded.
+
+A steady-state decode loop must neither recompile nor recapture: ``captures`` counts
+captures, and the caller's counters (Dynamo's) count compiles; tests read both.
+
+Requirements of the captured function: static shapes and no host synchronisation (the
+backend's host-side position check is off for captured steps; ``SpecDecoder`` admits
+only requests whose positions fit the cache).  All graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+_Signature = tuple
+
+
+def _signature(args) -> _Signature:
+    return tuple(
+        (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else ("const", a) for a in args
+    )
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: list
+    outputs: object
+
+
+class GraphRunner:
+    def __init__(self, fn: Callable, *, pool=None, warmup: int = 2):
+        self.fn = fn
+        self.warmup = warmup
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.graphs: dict[_Signature, _Captured] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def _capture(self, args) -> _Captured:
+        static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        # Warm-up on a side stream: compiles, autotunes and creates communicators
+        # before capture, as capture allows none of that.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(*static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*static_inputs)
+        self.captures += 1
+        return _Captured(graph, static_inputs, outputs)
+
+    def __call__(self, *args):
+        key = _signature(args)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(args)
+        for static, arg in zip(captured.inputs, args):
+            if isinstance(arg, torch.Tensor):
+                static.copy_(arg)
+        captured.graph.replay()
+        self.replays += 1
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.outputs
+        )

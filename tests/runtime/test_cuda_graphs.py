@@ -1,0 +1,41 @@
+"""CUDA-graph replay of the per-step calls: no recompile, no recapture, same tokens."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.models.pretrained import load_pair
+from dcp_compile.runtime.spec import SpecDecoder
+
+PROMPTS = [list(b"def f(x):\n"), list(b"import os\n\n\ndef walk(root):\n")]
+
+
+def decoder(device, cuda_graphs):
+    target, draft = load_pair("tiny-code", max_batch=2, max_seq_len=96, device=device,
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return SpecDecoder(target, draft, dcp.DCPGroup(1, 0, device, None), k=4, max_batch=2, max_seq_len=96,
+                       cuda_graphs=cuda_graphs, lowering="inductor")
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        decoder(torch.device("cpu"), True)
+
+
+@pytest.mark.gpu
+def test_steady_state_neither_recompiles_nor_recaptures():
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda", 0)
+    graphed = decoder(device, True)
+    first = graphed.generate(PROMPTS, 40)
+    compiles, captures = counters["stats"]["unique_graphs"], [r.captures for r in graphed.graph_runners]
+    assert captures == [1, 1, 2], "verify, commit, and the draft's extend and step shapes"
+    second = graphed.generate(PROMPTS, 40)
+    assert counters["stats"]["unique_graphs"] == compiles, "the second generation compiled a graph"
+    assert [r.captures for r in graphed.graph_runners] == captures, "the second generation recaptured"
+    assert all(r.replays > 0 for r in graphed.graph_runners)
+    assert [o.tokens for o in second] == [o.tokens for o in first]
+    plain = decoder(device, False).generate(PROMPTS, 40)
+    assert [o.tokens for o in plain] == [o.tokens for o in first]
+    assert [o.accepted for o in plain] == [o.accepted for o in first]
