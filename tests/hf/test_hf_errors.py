@@ -53,8 +53,10 @@ def test_padding_mask_is_refused():
     assert "cannot prove" in message and "masking_utils.py" in message, "the error names HF's padding-mask line"
 
 
-def test_plain_llama_mask_is_proven():
-    model = make_hf_model("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_hf_masks_are_proven(family):
+    """Prefill and decode graphs of the own-loop path: every layer's mask is proven."""
+    model = make_hf_model(family)
     for tokens in (1, 4):
         cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
         gm, _ = capture_graph(OwnLoop(model, cache), torch.ones(2, tokens, dtype=torch.long))

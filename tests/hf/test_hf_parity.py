@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from tests.hf.workers import MAX_SEQ_LEN, RAGGED_LENGTHS, hf_parity_worker  # noqa: E402
 
-STEPS = 6
+STEPS = 4
 
 
 def assert_parity(ranks, family):
@@ -24,14 +24,14 @@ def assert_parity(ranks, family):
 
 # (family, also through DCPCausalLM with ragged prompts); one spawn per group size keeps CI short.
 FAMILIES = {
-    2: (("llama", True), ("qwen2", True), ("mistral", False)),
-    3: (("llama", True), ("qwen2", False)),
+    2: (("llama", True), ("qwen2", False)),
+    3: (("qwen2", True), ("llama", False)),
 }
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_hf_parity(size):
-    """Llama and Qwen2 (and Mistral with sliding_window=None)."""
+    """Llama and Qwen2; Mistral without a sliding window takes the same path (test_hf_errors)."""
     ranks = spawn_ranks(hf_parity_worker, size, FAMILIES[size], "aot_eager", STEPS, timeout=600)
     local = -(-MAX_SEQ_LEN // size) + 1
     for family, wrapped in FAMILIES[size]:
