@@ -114,6 +114,8 @@ def main() -> None:
         window_lse = torch.randn(batch, H, 1, generator=gen).to(device)
         row = dict(batch=batch, payload_bytes=batch * H * (D + 1) * 4)
         for kind in ("floor", "ag", "a2a"):
+            if rank == 0:
+                print(f"[{time.strftime('%H:%M:%S')}] batch {batch}: {kind}", file=sys.stderr, flush=True)
             try:
                 chain = make_chain(kind, size, rank, group_name, args.layers)
                 compiled = torch.compile(chain, backend="inductor" if device.type == "cuda" else "aot_eager", fullgraph=True)

@@ -71,6 +71,7 @@ def main() -> None:
     group = dcp.init_group(device)
     results = {}
     for name, graphs, comm in (("dcp_graphs", True, "ag"), ("dcp_graphs_a2a", True, "a2a"), ("dcp_eager_steps", False, "ag")):
+        print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
         try:
             results[name] = run(group, graphs, comm)
         except Exception as err:
