@@ -127,6 +127,37 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=1.0)
 
 
+def _init_normal(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, std=std)
+    return model
+
+
+def _optimise(params, total: int, peak_lr: float, cfg: TrainConfig, desc: str, progress: bool, batches, step_loss) -> None:
+    """AdamW with warm-up and cosine decay over ``total`` minibatches.
+
+    ``step_loss(step, windows) -> (loss, after)``; ``after(step)`` runs once the
+    optimiser has stepped (logging, evaluation) and may return a progress-bar postfix.
+    """
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    bar = _progress(total, desc, progress)
+    for step in range(total):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, total, peak_lr, cfg.warmup)
+        loss, after = step_loss(step, batches())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        postfix = after(step)
+        if postfix:
+            bar.set_postfix(**postfix)
+        bar.update(1)
+    bar.close()
+
+
 def target_loss(target: Llama, windows: torch.Tensor) -> torch.Tensor:
     logits, _ = target.forward_uncached(windows[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
@@ -179,65 +210,54 @@ def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool =
     held_batches = [sample_windows(held_data, cfg.batch, cfg.seq_len + 1, torch.Generator().manual_seed(1000 + i))
                     for i in range(4)]
 
+    def batches():
+        return sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+
     tcfg = cfg.target_config()
-    target = Llama(tcfg).to(device)
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            if not name.endswith("norm.weight"):
-                torch.nn.init.normal_(p, std=0.02)
+    target = _init_normal(Llama(tcfg).to(device))
     history: dict[str, list] = dict(target=[], target_held_out=[], draft=[], draft_agreement=[])
     step_fn = torch.compile(target_loss) if device.type == "cuda" else target_loss
-    opt = torch.optim.AdamW(target.parameters(), lr=cfg.target_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    target.train()
-    bar = _progress(cfg.target_steps, "target", progress)
-    for step in range(cfg.target_steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.target_steps, cfg.target_lr, cfg.warmup)
-        windows = sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+
+    def target_step(step: int, windows: torch.Tensor):
         with _autocast(device):
             loss = step_fn(target, windows)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-        opt.step()
-        if step % 10 == 0 or step == cfg.target_steps - 1:
-            history["target"].append((step, loss.item()))
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % cfg.eval_every == 0 or step == cfg.target_steps - 1:
-            history["target_held_out"].append((step, _held_out_loss(target, held_batches, device)))
-        bar.update(1)
-    bar.close()
+
+        def after(step: int) -> dict | None:
+            if (step + 1) % cfg.eval_every == 0 or step == cfg.target_steps - 1:
+                history["target_held_out"].append((step, _held_out_loss(target, held_batches, device)))
+            if step % 10 == 0 or step == cfg.target_steps - 1:
+                history["target"].append((step, loss.item()))
+                return dict(loss=f"{loss.item():.3f}")
+            return None
+
+        return loss, after
+
+    target.train()
+    _optimise(list(target.parameters()), cfg.target_steps, cfg.target_lr, cfg, "target", progress, batches, target_step)
     target.eval().requires_grad_(False)
 
-    draft = EagleDraft(DraftConfig(tcfg, "eagle3", n_features=len(tcfg.aux_layers))).to(device)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if not name.endswith("norm.weight"):
-                torch.nn.init.normal_(p, std=0.02)
+    draft = _init_normal(EagleDraft(DraftConfig(tcfg, "eagle3", n_features=len(tcfg.aux_layers))).to(device))
     draft.embed.weight.data.copy_(target.tok_embeddings.weight)
     draft.embed.weight.requires_grad_(False)
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.draft_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     weights = [0.8**j for j in range(cfg.ttt_steps)]
-    draft.train()
-    bar = _progress(cfg.draft_steps, "draft", progress)
-    for step in range(cfg.draft_steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.draft_steps, cfg.draft_lr, cfg.warmup)
-        windows = sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+
+    def draft_step(step: int, windows: torch.Tensor):
         with _autocast(device):
             losses, agreements = draft_losses(target, draft, windows, cfg.ttt_steps)
             loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights[: len(losses)])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        if step % 10 == 0 or step == cfg.draft_steps - 1:
-            history["draft"].append((step, [x.item() for x in losses]))
-            history["draft_agreement"].append((step, [float(x) for x in agreements]))
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{float(agreements[0]):.2f}")
-        bar.update(1)
-    bar.close()
+
+        def after(step: int) -> dict | None:
+            if step % 10 == 0 or step == cfg.draft_steps - 1:
+                history["draft"].append((step, [x.item() for x in losses]))
+                history["draft_agreement"].append((step, [float(x) for x in agreements]))
+                return dict(loss=f"{loss.item():.3f}", top1=f"{float(agreements[0]):.2f}")
+            return None
+
+        return loss, after
+
+    draft.train()
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    _optimise(trainable, cfg.draft_steps, cfg.draft_lr, cfg, "draft", progress, batches, draft_step)
     draft.eval().requires_grad_(False)
 
     record = dict(

@@ -10,10 +10,18 @@ from dcp_compile.passes.kv_index import cache_BHSD
 from dcp_compile.passes.shard_attention import (
     ALL_GATHER, ALL_TO_ALL, PREFIX_ATTENTION, WAIT, merge_exchanged, merge_gathered,
 )
-from dcp_compile.testing import capture_graph
+from dcp_compile.models import LlamaConfig
+from dcp_compile.testing import capture_graph, make_model
 from tests.passes import graphs
 
 IDIOMS = [graphs.GptFastStyle, graphs.IndexCopyStyle, graphs.IndexPutBSHD]
+
+
+def decode_graph(cfg: LlamaConfig):
+    """The reference model's decode-step graph and its plan."""
+    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
+    gm, _ = capture_graph(make_model(cfg), tokens, tokens.clone())
+    return gm, find(gm)
 
 
 def sharded(module, size=2, rank=0):
@@ -41,14 +49,8 @@ def test_attention_becomes_one_cascade(module_cls):
 
 
 def test_reference_model_gets_one_collective_per_layer():
-    from dcp_compile.models import LlamaConfig
-    from dcp_compile.testing import make_model
-
     cfg = LlamaConfig(n_layers=4, gqa="repeat_interleave")
-    model = make_model(cfg)
-    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
-    gm, _ = capture_graph(model, tokens, tokens.clone())
-    plan = find(gm)
+    gm, plan = decode_graph(cfg)
     layout = KVLayout(3, 2, cfg.max_seq_len)
     shard_kv_writes(gm, plan, layout=layout)
     shard_attention(gm, plan, layout=layout, group_name="g")
@@ -60,14 +62,8 @@ def test_reference_model_gets_one_collective_per_layer():
 
 
 def test_all_to_all_form_exchanges_then_gathers_merged_heads():
-    from dcp_compile.models import LlamaConfig
-    from dcp_compile.testing import make_model
-
     cfg = LlamaConfig(n_layers=2)
-    model = make_model(cfg)
-    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
-    gm, _ = capture_graph(model, tokens, tokens.clone())
-    plan = find(gm)
+    gm, plan = decode_graph(cfg)
     layout = KVLayout(2, 1, cfg.max_seq_len)
     shard_kv_writes(gm, plan, layout=layout)
     shard_attention(gm, plan, layout=layout, group_name="g", comm="a2a")
@@ -80,14 +76,8 @@ def test_all_to_all_form_exchanges_then_gathers_merged_heads():
 
 
 def test_all_to_all_needs_heads_divisible_by_the_group():
-    from dcp_compile.models import LlamaConfig
-    from dcp_compile.testing import make_model
-
     cfg = LlamaConfig(n_layers=1)  # 4 query heads
-    model = make_model(cfg)
-    tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long)
-    gm, _ = capture_graph(model, tokens, tokens.clone())
-    plan = find(gm)
+    gm, plan = decode_graph(cfg)
     with pytest.raises(ValueError, match="4 query heads .* over 3 ranks.*use comm='ag'"):
         shard_attention(gm, plan, layout=KVLayout(3, 0, cfg.max_seq_len), group_name="g", comm="a2a")
 
