@@ -31,6 +31,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -68,12 +69,12 @@ class TrainConfig:
         )
 
 
-PRESETS = {
+PRESETS = MappingProxyType({
     "tiny-code": TrainConfig(),
     # Seconds on a CPU: exercises every code path, learns little.
     "smoke": TrainConfig(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, intermediate_size=64, seq_len=64, batch=4,
                          target_steps=6, draft_steps=4, ttt_steps=3, warmup=2, eval_every=3),
-}
+})
 
 
 def stdlib_root() -> Path:

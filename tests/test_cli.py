@@ -30,16 +30,6 @@ def test_demo_spawns_two_ranks_and_reports_parity():
     assert summary["new_tokens"] == [24, 24, 24] and summary["k"] == 4
 
 
-@pytest.mark.inductor
-def test_demo_with_inductor_streams_text_and_prints_both_arms():
-    proc = run_demo("--lowering", "inductor", "--max-new-tokens", "8", "--k", "2", "--prompt", "def f(x):\n")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DCP arm: group of 2 (gloo, cpu)" in proc.stdout
-    assert "--- prompt 0, streamed from the DCP arm ---\ndef f(x):\n" in proc.stdout
-    assert "tokens identical = True, accept counts identical = True" in proc.stdout
-    assert "DCP arm (size 2)" in proc.stdout and "off arm (size 1)" in proc.stdout
-
-
 @pytest.mark.parametrize(
     "flags,message",
     [
@@ -60,14 +50,15 @@ def test_demo_with_a_missing_model_directory_says_what_it_expected(tmp_path):
     assert "no checkpoint directory at" in proc.stderr and "dcp-compile train --out DIR" in proc.stderr
 
 
-def test_demo_runs_as_one_rank_under_torchrun():
+def test_demo_runs_as_one_rank_under_torchrun_and_only_rank_0_talks():
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "dcp_compile.cli", "demo", "--json", "--max-new-tokens", "12"],
+         "-m", "dcp_compile.cli", "demo", "--max-new-tokens", "8", "--k", "2", "--prompt", "def f(x):\n"],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, "only rank 0 reports"
-    check_summary(json.loads(lines[0]))
-
+    out = proc.stdout
+    assert "DCP arm: group of 2 (gloo, cpu)" in out
+    assert "--- prompt 0, streamed from the DCP arm ---\ndef f(x):\n" in out
+    assert "tokens identical = True, accept counts identical = True" in out
+    assert out.count("DCP arm (size 2)") == 1 and out.count("off arm (size 1)") == 1, "only rank 0 reports"

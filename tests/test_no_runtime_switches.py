@@ -14,7 +14,8 @@ import dcp_compile
 
 PACKAGE = Path(dcp_compile.__file__).parent
 # Written only by dcp.prepare (one record per cache buffer), read only at compile time.
-ALLOWED_MODULE_STATE = {("runtime/caches.py", "_records")}
+# The prepare-time registries: KV cache records, and the causal-mask tables prepare checked.
+ALLOWED_MODULE_STATE = {("runtime/caches.py", "_records"), ("runtime/caches.py", "_tables")}
 
 
 def sources():
@@ -64,9 +65,11 @@ def test_module_level_mutable_state_is_only_the_prepare_registry():
 
 
 def test_the_registry_is_written_only_by_prepare():
-    writers = []
+    # dcp_compile/hf.py's DCPStaticCache is prepare for caches HF keeps outside modules:
+    # it registers them once, when it allocates them.
+    writers = set()
     for name, tree in sources():
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register":
-                writers.append(name)
-    assert writers == ["runtime/prepare.py"]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("register", "register_table"):
+                writers.add(name)
+    assert writers == {"runtime/prepare.py", "hf.py"}

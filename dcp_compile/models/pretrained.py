@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -22,7 +23,7 @@ from dcp_compile.models.eagle import DraftConfig, EagleDraft
 from dcp_compile.models.llama import Llama, LlamaConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-SHIPPED = {"tiny-code": ASSETS / "tiny-code"}
+SHIPPED = MappingProxyType({"tiny-code": ASSETS / "tiny-code"})
 _SERVER_FIELDS = ("max_batch", "max_seq_len")
 
 

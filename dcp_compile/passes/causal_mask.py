@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch.fx import Node
@@ -334,7 +335,7 @@ class _Interpreter:
 
 
 _MASK_AXES = "bhts"
-_TAG_NAMES = {"B": "b", "T": "t"}
+_TAG_NAMES = MappingProxyType({"B": "b", "T": "t"})
 
 
 def _canonical(form: Mapping, names) -> dict:
