@@ -58,6 +58,10 @@ class Backend:
     comm: str = "ag"
     """How the ranks' partial attentions meet: ``"ag"`` (one all-gather per layer) or
     ``"a2a"`` (all-to-all by head group, local merge, all-gather of merged heads)."""
+    cascade: bool = False
+    """Rewrite attention into the prefix + window + merge cascade even for a group of
+    one (no collective): the single-GPU baseline with the same kernels, for measuring
+    DCP like for like.  Off by default: a size-1 group compiles as plain torch.compile."""
     check_positions: bool = True
     """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
     device-to-host sync per call on GPU."""
@@ -127,6 +131,8 @@ class Backend:
             passes = target_passes(
                 records[0].layout, self.group.group_name, self._staging_first_slot(plan, records), self.comm
             )
+        elif self.cascade:
+            passes = target_passes(records[0].layout, None)
         else:
             passes = []
         if self.dump_dir is not None:
@@ -205,12 +211,16 @@ def backend(
     verify: bool = False,
     lowering: str = "inductor",
     comm: str = "ag",
+    cascade: bool = False,
     check_positions: bool = True,
     dump_dir: str | Path | None = None,
 ) -> Backend:
     """A torch.compile backend for ``role`` (``"target"`` or ``"draft"``) on ``group``."""
     if verify and role != "target":
         raise ValueError("verify=True applies to target graphs; draft graphs are never sharded")
+    if cascade and role != "target":
+        raise ValueError("cascade=True applies to target graphs; draft graphs are never rewritten")
     return Backend(
-        group, role, lowering, verify, comm, check_positions, dump_dir=Path(dump_dir) if dump_dir is not None else None
+        group, role, lowering, verify, comm, cascade, check_positions,
+        dump_dir=Path(dump_dir) if dump_dir is not None else None,
     )

@@ -41,17 +41,22 @@ def count_targets(gm: GraphModule) -> Counter:
     return Counter(node.target for node in gm.graph.nodes if node.op == "call_function")
 
 
-def check_target(gm: GraphModule, plan: Plan, comm: str = "ag") -> GraphModule:
+def check_target(gm: GraphModule, plan: Plan, comm: str = "ag", size: int = 2) -> GraphModule:
+    """``size == 1``: the single-GPU cascade, with no collective at all."""
     counts = count_targets(gm)
     sites = len(plan.sites)
-    merge = merge_gathered if comm == "ag" else merge_exchanged
+    merge = merge_exchanged if comm == "a2a" and size > 1 else merge_gathered
     assert counts[merge] == sites, f"expected {sites} merges, found {counts[merge]}"
-    assert counts[ALL_GATHER] == sites, f"expected {sites} all-gathers, found {counts[ALL_GATHER]}"
-    expected_a2a = sites if comm == "a2a" else 0
+    expected_ag = sites if size > 1 else 0
+    assert counts[ALL_GATHER] == expected_ag, f"expected {expected_ag} all-gathers, found {counts[ALL_GATHER]}"
+    expected_a2a = sites if comm == "a2a" and size > 1 else 0
     assert counts[ALL_TO_ALL] == expected_a2a, f"expected {expected_a2a} all-to-alls, found {counts[ALL_TO_ALL]}"
     for write in plan.writes:
         stored_at = positions_node(write.node, write.index)
-        assert stored_at.target in (local_slots, staging_slots), f"KV write {where(write.node)} still stores at global positions"
+        # A group of one owns every position: its slots are the global positions.
+        assert size == 1 or stored_at.target in (local_slots, staging_slots), (
+            f"KV write {where(write.node)} still stores at global positions"
+        )
         for user in write.cache.node.users:
             ok = user is write.node or (user.target is cache_BHSD and user.op == "call_function")
             assert ok, f"KV cache {write.cache.name} is still read in full by {where(user)}"

@@ -29,13 +29,19 @@ class PassTiming:
     seconds: float
 
 
-def target_passes(layout: KVLayout, group_name: str, staging_first_slot: int | None = None, comm: str = "ag") -> list[Pass]:
+def target_passes(
+    layout: KVLayout, group_name: str | None, staging_first_slot: int | None = None, comm: str = "ag"
+) -> list[Pass]:
     """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit.
-    ``comm``: how partials meet (``shard_attention.COMMS``)."""
-    return [
-        functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot),
+    ``comm``: how partials meet (``shard_attention.COMMS``).  A layout of size 1 is the
+    single-GPU cascade: the writes stay where they are (every position is this rank's)
+    and attention becomes prefix + window + merge with no collective."""
+    writes = [] if layout.size == 1 else [
+        functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot)
+    ]
+    return writes + [
         functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm),
-        functools.partial(check_target, comm=comm),
+        functools.partial(check_target, comm=comm, size=layout.size),
     ]
 
 

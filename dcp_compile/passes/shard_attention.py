@@ -89,7 +89,7 @@ def join_heads(gathered: torch.Tensor, *, size: int) -> torch.Tensor:
     return gathered.view(size, -1, heads, T, D).movedim(0, 1).reshape(-1, size * heads, T, D)
 
 
-def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str, comm: str) -> None:
+def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str) -> None:
     graph = gm.graph
     k_write, v_write = site.k_write, site.v_write
     batch = k_write.index.batch
@@ -118,7 +118,13 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         )
         # The window attention is placed between each collective and its wait, so
         # it can run while the partials are in flight.
-        if comm == "ag":
+        if layout.size == 1:
+            # A group of one (the single-GPU cascade): its own prefix is all there is.
+            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+            out = graph.call_function(merge_gathered, (packed, *window_parts), dict(size=1, dtype=out_dtype))
+            comm_nodes = []
+        elif comm == "ag":
             gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
             window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
             gathered = graph.call_function(WAIT, (gathered,))
@@ -145,14 +151,17 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
     erase_dead_pure_nodes(gm, old_inputs)
 
 
-def shard_attention(gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str, comm: str = "ag") -> GraphModule:
+def shard_attention(
+    gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag"
+) -> GraphModule:
+    """``layout.size == 1`` (``group_name`` None): the cascade without a collective."""
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     for site in plan.sites:
         if not site.mask.proven:
             raise GraphPatternError(site.mask.failure)
         heads = fake_value(site.query).shape[1]
-        if comm == "a2a" and heads % layout.size:
+        if comm == "a2a" and layout.size > 1 and heads % layout.size:
             raise ValueError(
                 f"comm='a2a' splits the {heads} query heads of the attention at {where(site.node)} over {layout.size} "
                 f"ranks, which needs heads divisible by the DCP size; use comm='ag' for this model"

@@ -66,3 +66,21 @@ def test_group_of_one_equals_plain_torch_compile_exactly():
     assert torch.equal(got.tokens, expected.tokens)
     for a, b in zip(got.logits, expected.logits):
         assert torch.equal(a, b), "the off arm must be bitwise plain torch.compile"
+
+
+def test_single_gpu_cascade_matches_eager_without_a_collective():
+    from dcp_compile.passes.shard_attention import PREFIX_ATTENTION
+
+    cfg = LlamaConfig()
+    prompts = make_prompts()
+    expected = greedy_decode(make_model(cfg), prompts, STEPS)
+    group = dcp.init_group("cpu")
+    model = make_model(cfg)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+    backend = dcp.backend(group, "target", cascade=True, lowering="aot_eager")
+    got = greedy_decode(torch.compile(model, backend=backend, fullgraph=True, dynamic=False), prompts, STEPS)
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), **FP32_TOLERANCE)
+    assert backend.collective_counts == [0, 0]
+    for c in backend.compiled:
+        assert sum(n.target is PREFIX_ATTENTION for n in c.graph_module.graph.nodes) == cfg.n_layers
