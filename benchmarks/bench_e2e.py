@@ -1,0 +1,184 @@
+"""End-to-end decode step time of a Llama-3-8B-shaped target: DCP=N against DCP=1.
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout -k 10 580 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --out $OUT/e2e.json
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --small   # CPU, gloo: checks the script
+
+Like for like: both arms run the same kernels.  The DCP=N arm is ``dcp.backend(group)``
+over N ranks; the DCP=1 arm is ``dcp.backend(group_of_one, cascade=True)`` on rank 0
+(the same prefix kernel, window and merge, no collective).  One graph per (batch, T)
+serves every context, because the context is only the positions' value: the cache is
+filled with random K/V and each sequence decodes at position ``context``.
+
+Per point: median of CUDA-event timed replays of one captured step (T=1 decode, T=k+1
+verify for EAGLE3 chain k).  ``W`` is the DCP=1 step at context 0 (weights, no KV),
+``A`` = DCP=1 step - W (attention over the context), ``C`` = DCP=N step at context 0 -
+W (collectives and merges).  Ideal DCP=N / DCP=1 ratio: ``(W + A/N + C) / (W + A)``;
+target: measured within 5% of ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import dcp_compile as dcp
+from dcp_compile.models import Llama, LlamaConfig
+
+
+def log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            model = Llama(cfg, dtype=torch.get_default_dtype())
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if not name.endswith("norm.weight"):
+                        p.normal_(std=0.02)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+    with torch.no_grad():
+        for layer in model.layers:  # random K/V everywhere: timing must not read zeros
+            layer.attention.k_cache.normal_()
+            layer.attention.v_cache.normal_()
+    return model
+
+
+def step_timer(model, group, device, batch: int, tokens: int, reps: int):
+    """A function context -> median seconds of one step of ``tokens`` new tokens per sequence."""
+    backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False,
+                          lowering="inductor" if device.type == "cuda" else "aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    token_ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), device=device)
+    positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+    step = torch.arange(tokens, device=device)
+
+    def run():
+        with torch.no_grad():
+            return compiled(token_ids, positions)
+
+    if device.type == "cuda":
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+
+    def timed(context: int) -> float:
+        positions.copy_((context + step).expand(batch, tokens))
+        samples = []
+        for i in range(reps + 3):
+            if group.size > 1:
+                dist.barrier(group.process_group)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                begin = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - begin
+            if i >= 3:
+                samples.append(seconds)
+        return statistics.median(samples)
+
+    return timed
+
+
+def measure_arm(cfg, group, device, points, contexts, reps, seed) -> dict:
+    results = {}
+    for batch, tokens in points:
+        bcfg = dataclasses.replace(cfg, max_batch=batch)
+        model = build(bcfg, group, device, seed)
+        timed = step_timer(model, group, device, batch, tokens, reps)
+        for context in (0, *contexts):
+            results[(batch, tokens, context)] = timed(context)
+            log(group.rank, f"size {group.size} batch {batch} T {tokens} context {context}: "
+                            f"{results[(batch, tokens, context)] * 1e3:.3f} ms")
+        del model, timed
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="tiny shapes on CPU with gloo")
+    parser.add_argument("--contexts", default="8192,16384,32768,65536")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--verify-k", type=int, default=3, help="EAGLE3 chain k: verify steps carry k+1 tokens")
+    parser.add_argument("--verify-batches", default="8")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.small:
+        contexts = [48, 96]
+        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                          max_seq_len=128)
+        device = torch.device("cpu")
+    else:
+        cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                          max_seq_len=max(contexts) + 64, rope_theta=500000.0)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    group = dcp.init_group(device)
+    points = [(int(b), 1) for b in args.batches.split(",")]
+    points += [(int(b), args.verify_k + 1) for b in args.verify_batches.split(",")]
+    sharded = measure_arm(cfg, group, device, points, contexts, args.reps, args.seed)
+    if group.rank != 0:
+        sys.stdout.flush()
+        os._exit(0)
+    single = measure_arm(cfg, dcp.DCPGroup(1, 0, device, None), device, points, contexts, args.reps, args.seed)
+    n = group.size
+    rows = []
+    for batch, tokens in points:
+        W = single[(batch, tokens, 0)]
+        C = sharded[(batch, tokens, 0)] - W
+        for context in contexts:
+            one, many = single[(batch, tokens, context)], sharded[(batch, tokens, context)]
+            A = one - W
+            ideal = (W + A / n + C) / (W + A)
+            rows.append(dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
+                             W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
+                             off_ideal=many / one / ideal - 1))
+    print(f"\n## decode step, DCP={n} against DCP=1 (same kernels), median of {args.reps} graph replays")
+    print("| batch | T | context | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['tokens']} | {r['context']} | {r['dcp1_ms']:.3f} | {r['dcpn_ms']:.3f} | "
+              f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
+    summary = dict(dcp_size=n, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   torch=torch.__version__, reps=args.reps, rows=rows)
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # NCCL teardown has been seen to hang
+
+
+if __name__ == "__main__":
+    main()
