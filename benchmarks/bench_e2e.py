@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.models import Llama, LlamaConfig
+from _report import leave, report
 
 
 def log(rank: int, message: str) -> None:
@@ -149,8 +149,7 @@ def main() -> None:
     points += [(int(b), args.verify_k + 1) for b in args.verify_batches.split(",")]
     sharded = measure_arm(cfg, group, device, points, contexts, args.reps, args.seed)
     if group.rank != 0:
-        sys.stdout.flush()
-        os._exit(0)
+        leave()
     single = measure_arm(cfg, dcp.DCPGroup(1, 0, device, None), device, points, contexts, args.reps, args.seed)
     n = group.size
     rows = []
@@ -172,12 +171,8 @@ def main() -> None:
               f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
     summary = dict(dcp_size=n, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    torch=torch.__version__, reps=args.reps, rows=rows)
-    print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
-    sys.stdout.flush()
-    os._exit(0)  # NCCL teardown has been seen to hang
+    report(summary, args.out)
+    leave()
 
 
 if __name__ == "__main__":

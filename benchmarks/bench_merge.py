@@ -19,7 +19,6 @@ the script.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from dcp_compile.passes.shard_attention import (
     ALL_GATHER, ALL_TO_ALL, WAIT, join_heads, merge_exchanged, merge_gathered, pack_partial, split_heads,
 )
+from _report import leave, report
 
 
 def make_chain(kind: str, size: int, rank: int, group_name: str, layers: int):
@@ -141,12 +141,8 @@ def main() -> None:
                   f"{ratio(r['ag'])} | {us(r['a2a'])} | {ratio(r['a2a'])} |")
         summary = dict(dcp_size=size, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        torch=torch.__version__, layers=args.layers, reps=args.reps, rows=rows)
-        print(json.dumps(summary), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(summary, f, indent=2)
-    sys.stdout.flush()
-    os._exit(0)  # NCCL teardown has been seen to hang
+        report(summary, args.out)
+    leave()
 
 
 if __name__ == "__main__":

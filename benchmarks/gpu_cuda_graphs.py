@@ -18,7 +18,6 @@ counters are read before and after).  Reports tokens/s of each, second generatio
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models.pretrained import load_pair
 from dcp_compile.runtime.spec import SpecDecoder
+from _report import leave, report
 
 PROMPTS = [b"def fibonacci(n):\n", b"import os\n\n\ndef walk(root):\n", b"class Stack:\n    def push(self, item):\n",
            b"    for line in lines:\n        if ", b"if __name__ == '__main__':\n", b"import re\n\n_WORD = ",
@@ -96,12 +96,8 @@ def main() -> None:
                 new_compiles_in_second_run=r["new_compiles"], new_captures_in_second_run=r["new_captures"],
                 captures=r["captures"], replays=r["replays"],
             )
-        print(json.dumps(summary, indent=1), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1)
-    sys.stdout.flush()
-    os._exit(0)  # NCCL teardown has been seen to hang
+        report(summary, args.json)
+    leave()
 
 
 if __name__ == "__main__":
