@@ -109,6 +109,9 @@ class SpecDecoder:
 
     ``target``: a model whose forward is ``(tokens, positions) -> (logits, features)``
     (e.g. ``Llama`` with ``aux_layers``).  ``draft``: an ``EagleDraft`` built for it.
+    ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
+    ``dcp.backend``).  ``cuda_graphs``: capture the per-step calls (verify, commit, draft
+    extend and step) in CUDA graphs once per shape and replay them.
     """
 
     def __init__(
