@@ -1,10 +1,19 @@
-"""What every GPU script does last: print the JSON report, save it, leave without NCCL teardown."""
+"""What every GPU script shares: a hang watchdog, the JSON report, leaving without NCCL teardown."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
+
+
+def watchdog(seconds: float) -> None:
+    """Print every thread's stack and exit if the script is still running after ``seconds``.
+
+    A hung collective otherwise ends in the outer ``timeout`` with nothing to say where it hung."""
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def report(summary: dict | None, path: str | None) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.models import Llama, LlamaConfig
-from _report import leave, report
+from _report import leave, report, watchdog
 
 
 def log(rank: int, message: str) -> None:
@@ -133,7 +133,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
+    parser.add_argument("--watchdog", type=float, default=0,
+                        help="seconds; print every thread's stack and exit if still running (0: off)")
     args = parser.parse_args()
+    watchdog(args.watchdog)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.small:
         contexts = [48, 96]

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The 2-GPU benchmarks in one device call, each phase under its own timeout and watchdog.
+# Usage on the device machine, from the repository root:
+#   bash benchmarks/gpu_bench.sh merge graphs      # per-layer merge; captured speculative loop
+#   bash benchmarks/gpu_bench.sh e2e               # 8B-shaped decode step, DCP=2 vs DCP=1
+# Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+NPROC=${NPROC:-2}
+mkdir -p "$OUT"
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+phase() {  # name seconds script args...
+  local name=$1 seconds=$2; shift 2
+  echo "== $name (limit ${seconds}s) $(date -u +%H:%M:%S)"
+  timeout -k 10 "$seconds" python3 -m torch.distributed.run --nproc-per-node "$NPROC" "$@" \
+    --watchdog $((seconds - 15)) > "$OUT/$name.log" 2>&1
+  echo "$name exit: $? $(date -u +%H:%M:%S)"
+}
+
+for what in "$@"; do
+  case $what in
+    merge)  phase merge "${MERGE_SECONDS:-240}" benchmarks/bench_merge.py --out "$OUT/merge.json" ;;
+    graphs) phase graphs "${GRAPHS_SECONDS:-300}" benchmarks/gpu_cuda_graphs.py --json "$OUT/graphs.json" ;;
+    e2e)    phase e2e "${E2E_SECONDS:-560}" benchmarks/bench_e2e.py --out "$OUT/e2e.json" ${E2E_ARGS:-} ;;
+    *) echo "unknown phase $what (merge, graphs, e2e)"; exit 2 ;;
+  esac
+done
+for what in "$@"; do
+  echo "== $what: last lines"
+  grep -v -i warn "$OUT/$what.log" | tail -n 25
+done
