@@ -9,11 +9,13 @@ import sys
 
 
 def watchdog(seconds: float) -> None:
-    """Print every thread's stack and exit if the script is still running after ``seconds``.
+    """Print every thread's stack if the script is still running after ``seconds``.
 
-    A hung collective otherwise ends in the outer ``timeout`` with nothing to say where it hung."""
+    A hung collective otherwise ends in the outer ``timeout`` with nothing to say where it
+    hung.  Every rank prints and keeps running (the outer ``timeout`` ends them), so one
+    rank's exit cannot get the others killed before they print."""
     if seconds > 0:
-        faulthandler.dump_traceback_later(seconds, exit=True)
+        faulthandler.dump_traceback_later(seconds, exit=False)
 
 
 def report(summary: dict | None, path: str | None) -> None:

@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; print every thread's stack and exit if still running (0: off)")
+                        help="seconds; then print every thread's stack if still running (0: off)")
     args = parser.parse_args()
     watchdog(args.watchdog)
     contexts = [int(c) for c in args.contexts.split(",")]

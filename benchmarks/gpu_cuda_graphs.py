@@ -44,8 +44,9 @@ def run(group, cuda_graphs: bool, comm: str) -> dict:
     target, draft = load_pair("tiny-code", max_batch=len(prompts), max_seq_len=max_seq_len, device=group.device,
                               dtype=torch.bfloat16)
     decoder = SpecDecoder(target, draft, group, k=K, max_batch=len(prompts), max_seq_len=max_seq_len,
-                          cuda_graphs=cuda_graphs, comm=comm)
+                          cuda_graphs=cuda_graphs, comm=comm, check_ranks=group.size > 1)
     decoder.generate(prompts, NEW)
+    print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] first generation done", file=sys.stderr, flush=True)
     graphs_before = counters["stats"]["unique_graphs"]
     captures_before = [r.captures for r in decoder.graph_runners]
     torch.cuda.synchronize()
@@ -67,16 +68,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; print every thread's stack and exit if still running (0: off)")
+                        help="seconds; then print every thread's stack if still running (0: off)")
     args = parser.parse_args()
     watchdog(args.watchdog)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     group = dcp.init_group(device)
     results = {}
-    for name, graphs, comm in (("dcp_graphs", True, "ag"), ("dcp_graphs_a2a", True, "a2a"), ("dcp_eager_steps", False, "ag")):
+    for name, graphs, comm in (("dcp_eager_steps", False, "ag"), ("dcp_graphs", True, "ag"), ("dcp_graphs_a2a", True, "a2a")):
         print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
         try:
             results[name] = run(group, graphs, comm)
+            r = results[name]
+            print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] {name}: {r['tokens_per_s']:.1f} tokens/s, accept "
+                  f"length {r['accept_len']:.3f}, captures {r['captures']}", file=sys.stderr, flush=True)
         except Exception as err:
             results[name] = dict(error=f"{type(err).__name__}: {err}"[:500])
             print(f"[rank {group.rank}] {name} failed: {results[name]['error']}", file=sys.stderr, flush=True)

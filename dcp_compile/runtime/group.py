@@ -74,3 +74,25 @@ def init_group(
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return DCPGroup(dist.get_world_size(), dist.get_rank(), device, dist.group.WORLD)
+
+
+def gather_from_ranks(group: DCPGroup, values: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``values`` (same shape and dtype on all ranks), in rank order.
+
+    An eager collective, for checks between steps; never call it inside a compiled or
+    captured step."""
+    values = values.to(group.device).contiguous()
+    if group.size == 1:
+        return [values]
+    everyone = [torch.empty_like(values) for _ in range(group.size)]
+    dist.all_gather(everyone, values, group=group.process_group)
+    return everyone
+
+
+def ranks_that_differ(group: DCPGroup, values: torch.Tensor) -> list[int]:
+    """Ranks whose ``values`` differ bitwise from rank 0's (NaN equals NaN of the same
+    bits); the same list on every rank, so all ranks can raise together instead of one
+    of them hanging in the next collective."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[values.element_size()]
+    everyone = gather_from_ranks(group, values.contiguous().view(bits))
+    return [r for r, v in enumerate(everyone) if not torch.equal(v, everyone[0])]

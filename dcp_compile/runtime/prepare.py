@@ -23,7 +23,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dcp_compile import layout as kvlayout
@@ -32,7 +31,7 @@ from dcp_compile.passes.causal_mask import is_lower_triangular
 from dcp_compile.passes.find import find
 from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for, register, register_table
-from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.runtime.group import DCPGroup, gather_from_ranks
 
 _TOKEN_ARGS = ("tokens", "input_ids", "idx", "token_ids")
 _ROW_POSITION_ARGS = ("positions", "position_ids")
@@ -113,9 +112,7 @@ def _check_ranks_agree(group: DCPGroup, fingerprint: int, role: str) -> None:
     if group.size == 1:
         return
     mine = torch.tensor([fingerprint], dtype=torch.long, device=group.device)
-    everyone = [torch.empty_like(mine) for _ in range(group.size)]
-    dist.all_gather(everyone, mine, group=group.process_group)
-    prints = [int(t.item()) for t in everyone]
+    prints = [int(t.item()) for t in gather_from_ranks(group, mine)]
     if len(set(prints)) > 1:
         differ = [r for r, f in enumerate(prints) if f != prints[0]]
         raise ValueError(

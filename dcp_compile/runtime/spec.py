@@ -34,7 +34,7 @@ from torch import nn
 from dcp_compile.backend import backend as make_backend
 from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import pad_prompts
-from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.runtime.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 
 
@@ -111,7 +111,11 @@ class SpecDecoder:
     (e.g. ``Llama`` with ``aux_layers``).  ``draft``: an ``EagleDraft`` built for it.
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
     ``dcp.backend``).  ``cuda_graphs``: capture the per-step calls (verify, commit, draft
-    extend and step) in CUDA graphs once per shape and replay them.
+    extend and step) in CUDA graphs once per shape and replay them.  ``check_ranks``: after
+    the prefill and every verify, compare a checksum of the merged logits and the accept
+    decisions across ranks (one small eager all-gather per step) and raise on the first
+    difference; a debugging aid, since ranks that disagree would otherwise run different
+    numbers of steps and hang in a collective.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class SpecDecoder:
         lowering: str = "inductor",
         comm: str = "ag",
         cuda_graphs: bool = False,
+        check_ranks: bool = False,
     ):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
@@ -150,6 +155,7 @@ class SpecDecoder:
             raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
         self.target, self.draft, self.group = target, draft, group
         self.k, self.temperature, self.seed = k, temperature, seed
+        self.check_ranks = check_ranks and group.size > 1
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
         prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
@@ -186,6 +192,18 @@ class SpecDecoder:
                 GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.commit_c, self.draft_forward)
             )
             self.graph_runners = [self.target_verify, self.commit_c, self.draft_step]
+
+    def _check_ranks_agree(self, step: int, logits: torch.Tensor, *decisions: torch.Tensor) -> None:
+        checksum = torch.cat([logits.double().sum(-1).flatten(), *(d.double().flatten() for d in decisions)])
+        differ = ranks_that_differ(self.group, checksum)
+        if differ:
+            where = "after the prefill" if step == 0 else f"at verify step {step}"
+            raise RuntimeError(
+                f"DCP ranks diverged {where}: ranks {differ} hold different merged target logits or accept "
+                f"decisions than rank 0, where every rank must hold bitwise the same. A rank's step read other "
+                f"inputs than the rest (a stale captured buffer, a cache written out of order) or its graph "
+                f"differs; rerun with cuda_graphs=False to see whether capture is involved"
+            )
 
     def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
         if self.temperature == 0:
@@ -257,6 +275,8 @@ class SpecDecoder:
         tokens, positions, lengths = pad_prompts(rows_prompts, dev)
         logits, features = self.target_prefill(tokens, positions)
         current = self._choose(logits[rows, lengths - 1], generator)
+        if self.check_ranks:
+            self._check_ranks_agree(0, logits[rows, lengths - 1], current)
         emit(current[:, None], torch.ones(B, dtype=torch.long))
         draft_tokens = tokens.roll(-1, dims=1)
         draft_tokens[rows, lengths - 1] = current
@@ -265,7 +285,9 @@ class SpecDecoder:
         length = lengths.clone()  # committed target tokens; `current` sits at position `length`
 
         steps = torch.arange(k + 1, device=dev)
+        verify_step = 0
         while bool(active.any()):
+            verify_step += 1
             drafts, draft_probs = [], []
             for j in range(k):
                 token, q = self._draft_propose(q_logits, generator)
@@ -281,6 +303,8 @@ class SpecDecoder:
             probs = torch.stack(draft_probs, dim=1) if self.temperature > 0 else None
             accepted, bonus = accept_chain(logits, drafts, probs, self.temperature, generator)
             accepted = torch.where(active, accepted, 0)
+            if self.check_ranks:
+                self._check_ranks_agree(verify_step, logits, drafts, accepted, bonus)
             for i, out in enumerate(outputs):
                 if bool(active[i]):
                     out.accepted.append(int(accepted[i]))

@@ -4,7 +4,7 @@ and accept counts exactly."""
 import pytest
 
 from dcp_compile.runtime.launch import spawn_ranks
-from tests.runtime.workers import spec_worker
+from tests.runtime.workers import diverging_spec_worker, spec_worker
 
 K = 4
 
@@ -46,3 +46,11 @@ def test_eagle_gate(off_arm):
 def test_sampling_gate():
     off, dcp_arm = run(1, "eagle3", temperature=0.8, max_new_tokens=24), run(2, "eagle3", temperature=0.8, max_new_tokens=24)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
+
+
+def test_ranks_that_diverge_all_stop_with_the_same_error():
+    results = spawn_ranks(diverging_spec_worker, 2, timeout=600)
+    for r in results:
+        assert r["nan_agrees"] == [] and r["rank_differs"] == [1]
+        assert r["error"] is not None and "DCP ranks diverged" in r["error"] and "ranks [1]" in r["error"]
+    assert results[0]["error"] == results[1]["error"]

@@ -194,7 +194,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair(kind, **SPEC_FIXTURES[kind])
     decoder = SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, temperature=temperature, seed=11,
-                          lowering="aot_eager")
+                          lowering="aot_eager", check_ranks=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
     streamed = {i: [] for i in range(len(prompts))}
@@ -212,3 +212,30 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
         finished=[o.finished_by for o in outputs], streamed=[streamed[i] for i in range(len(prompts))],
         collectives=collectives, draft_cache=tuple(draft.attention.k_cache.shape),
     )
+
+
+def diverging_spec_worker(rank, size):
+    """Rank 1's draft weights differ from rank 0's: the per-step rank check must stop
+    every rank with the same error instead of letting them drift into a hang."""
+    from dcp_compile.runtime.spec import SpecDecoder
+    from dcp_compile.testing import agreeing_pair
+
+    group = dcp.init_group("cpu")
+    target, draft = agreeing_pair("eagle3", **SPEC_FIXTURES["eagle3"])
+    if rank == 1:
+        with torch.no_grad():
+            draft.fc.weight.mul_(-1.0)
+    decoder = SpecDecoder(target, draft, group, k=3, max_batch=4, max_seq_len=96, lowering="aot_eager",
+                          check_ranks=True)
+    from dcp_compile.runtime.group import ranks_that_differ
+
+    checks = dict(
+        nan_agrees=ranks_that_differ(group, torch.tensor([float("nan"), 1.0], dtype=torch.float64)),
+        rank_differs=ranks_that_differ(group, torch.tensor([float(rank)])),
+        error=None,
+    )
+    try:
+        decoder.generate([[1, 2, 3], [4, 5, 6, 7]], 20)
+    except RuntimeError as err:
+        checks["error"] = str(err)
+    return checks
