@@ -8,12 +8,13 @@
 from dcp_compile import ops
 from dcp_compile.backend import Backend, backend
 from dcp_compile.layout import KVLayout
+from dcp_compile.memory import CapacityError, MemoryPlan, MemoryPlanner, device_budget, plan_memory
 from dcp_compile.runtime import DCPGroup, Prepared, init_group, prepare
 from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.spec import RequestOutput, SpecDecoder
 
 __all__ = [
-    "Backend", "DCPGroup", "KVCommit", "KVLayout", "Prepared", "RequestOutput", "SpecDecoder",
-    "backend", "init_group", "ops", "prepare",
+    "Backend", "CapacityError", "DCPGroup", "KVCommit", "KVLayout", "MemoryPlan", "MemoryPlanner", "Prepared",
+    "RequestOutput", "SpecDecoder", "backend", "device_budget", "init_group", "ops", "plan_memory", "prepare",
 ]
 __version__ = "0.1.0"

@@ -27,7 +27,9 @@ def make_prompts(lengths=PROMPT_LENGTHS, vocab: int = 256, seed: int = 1) -> lis
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def make_model(cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Llama:
+def make_model(cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, device="cpu", cache_device=None) -> Llama:
+    if cache_device is not None:  # a meta cache cannot be moved: build on the device
+        return init_weights(Llama(cfg, device=device, cache_device=cache_device), seed).to(dtype=dtype).eval()
     return init_weights(Llama(cfg, dtype=torch.float32), seed).to(device=device, dtype=dtype).eval()
 
 
@@ -38,13 +40,16 @@ def capture_graph(model: nn.Module, *inputs):
     return trace_graph(model, inputs)
 
 
-def parity_worker(rank: int, size: int, lowering: str, gqa: str, steps: int, interleave: int = 1, comm: str = "ag") -> dict:
+def parity_worker(
+    rank: int, size: int, lowering: str, gqa: str, steps: int, interleave: int = 1, comm: str = "ag",
+    cache_device: str | None = None,
+) -> dict:
     """Greedy-decode the reference model sharded over ``size`` gloo ranks and unsharded."""
     group = dcp.init_group("cpu")
     cfg = LlamaConfig(gqa=gqa, max_batch=len(PROMPT_LENGTHS))
     prompts = make_prompts()
     reference = greedy_decode(make_model(cfg), prompts, steps)
-    model = make_model(cfg)
+    model = make_model(cfg, cache_device=cache_device)
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
     backend = dcp.backend(group, "target", lowering=lowering, comm=comm)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)

@@ -53,7 +53,7 @@ class DraftConfig:
 
 
 class EagleDraft(RopeTables):
-    def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
         super().__init__()
         self.cfg = cfg
         t = cfg.target
@@ -76,6 +76,7 @@ class EagleDraft(RopeTables):
         self.norm = RMSNorm(t.dim, t.norm_eps)
         self._init_rope(t)
         self.to(device=device, dtype=dtype)
+        self.attention.allocate_cache(cache_device if cache_device is not None else self.fc.weight.device)
 
     def share_target_weights(self, target: nn.Module) -> EagleDraft:
         """Use the target's token embedding (and, for EAGLE, its LM head), as EAGLE does."""

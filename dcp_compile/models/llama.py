@@ -118,9 +118,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        cache_shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, hd)
-        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+        self.cache_shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, hd)
+        self.cache_dtype = dtype
+        # Allocated by the owning model once its weights are on their device (see
+        # ``allocate_cache``), so that a cache left on meta never exists at full size.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def allocate_cache(self, device) -> None:
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=device),
+                                 persistent=False)
 
     def project(self, x, cos, sin):
         """Rotated queries and keys, and values, of the new tokens: ``[B, T, H, D]`` each."""
@@ -195,7 +203,9 @@ class Llama(RopeTables):
     """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
     ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
+        """``cache_device="meta"`` defers the KV caches: ``dcp.prepare`` then allocates only
+        this rank's shard (after checking that it fits), never the whole cache."""
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -204,6 +214,8 @@ class Llama(RopeTables):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_rope(cfg)
         self.to(device=device, dtype=dtype)
+        for layer in self.layers:
+            layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
         x = self.tok_embeddings(tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 from dcp_compile import layout as kvlayout
 from dcp_compile.layout import KVLayout
+from dcp_compile.memory import GiB, CapacityError
 from dcp_compile.passes.causal_mask import is_lower_triangular
 from dcp_compile.passes.find import find
 from dcp_compile.passes.fx_utils import GraphPatternError
@@ -141,6 +143,75 @@ def _replace(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
         setattr(module, attr, tensor)
 
 
+def _tensors(model: nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _home_device(model: nn.Module) -> torch.device:
+    """Where this model computes: the device of its parameters."""
+    devices = {p.device for p in model.parameters() if not p.is_meta}
+    if not devices:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters off the meta device; load its weights before prepare "
+            f"(only KV caches may stay on meta, for prepare to allocate)"
+        )
+    if len(devices) > 1:
+        raise ValueError(f"{type(model).__name__} has parameters on several devices {sorted(map(str, devices))}; "
+                         f"put the whole model on one device before prepare")
+    return devices.pop()
+
+
+def _trace_on_meta(model: nn.Module, example_inputs: tuple):
+    """``trace_graph`` for a model whose KV caches were built on the meta device.
+
+    Fake tensors cannot mix devices, so every parameter, buffer and tensor attribute is
+    swapped for a meta copy for the trace and put back afterwards.  Returns the graph, its
+    (meta) inputs and their owners."""
+    params, swapped = [], []
+    for module in model.modules():
+        params += [(module, name, p) for name, p in module._parameters.items() if p is not None]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                swapped.append((module, name, buf))
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                swapped.append((module, name, value))
+    try:
+        for module, name, p in params:
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        for module, name, tensor in swapped:
+            _replace(module, name, tensor.to("meta"))
+        meta_inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_inputs)
+        gm, inputs = trace_graph(model, meta_inputs)
+        owners = _owners(model)
+    finally:
+        for module, name, p in params:
+            module._parameters[name] = p
+        for module, name, tensor in swapped:
+            _replace(module, name, tensor)
+    return gm, inputs, owners
+
+
+def _check_free_memory(device: torch.device, pending: list, rank: int) -> None:
+    """Refuse, before allocating, KV caches that the device has no room for."""
+    need = sum(math.prod(shape) * dtype.itemsize for _, _, shape, dtype in pending)
+    if device.type != "cuda" or not need:
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise CapacityError(
+            f"prepare would allocate {need / GiB:.1f} GiB of KV cache on rank {rank} ({device}), which has "
+            f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB. Choose a batch x context that fits with "
+            f"dcp.MemoryPlanner, or shard it over more ranks"
+        )
+
+
+def _get_attr(model: nn.Module, qualname: str) -> torch.Tensor:
+    module_name, _, attr = qualname.rpartition(".")
+    return getattr(model.get_submodule(module_name), attr)
+
+
 def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """The columns of ``mask`` for this rank's slots; the trash column and slots past the
     end are fully masked."""
@@ -202,10 +273,14 @@ def prepare(
         )
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
+    home = _home_device(model)
     if example_inputs is None:
-        device = next(model.parameters()).device
-        example_inputs = _default_example_inputs(model, max_batch, device)
-    gm, inputs = trace_graph(model, tuple(example_inputs))
+        example_inputs = _default_example_inputs(model, max_batch, home)
+    if any(t.is_meta for t in _tensors(model)):
+        gm, inputs, owners = _trace_on_meta(model, tuple(example_inputs))
+    else:
+        gm, inputs = trace_graph(model, tuple(example_inputs))
+        owners = _owners(model)
     plan = find(gm)
     if sharded:
         for site in plan.sites:
@@ -217,9 +292,8 @@ def prepare(
             f"index_copy_, index_put_ or cache[..., positions, ...] = kv in forward, found none. "
             f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
         )
-    owners = _owners(model)
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
-    records, kv_bytes = [], 0
+    records, pending, kv_bytes = [], [], 0
     for cache in plan.caches:
         tensor = inputs[cache.input_index]
         if id(tensor) not in owners:
@@ -237,16 +311,20 @@ def prepare(
                 f"{cache.seq_dim}); expected batch {max_batch} and sequence {max_seq_len} from prepare's "
                 f"max_batch and max_seq_len"
             )
-        if sharded:
+        if sharded or tensor.is_meta:
             local_shape = list(tensor.shape)
-            local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
-            tensor = torch.zeros(local_shape, dtype=tensor.dtype, device=tensor.device)
-            _replace(module, attr, tensor)
-        record = CacheRecord(
-            qualname, role, cache.seq_dim, layout, tuple(inputs[cache.input_index].shape), verify_tokens if sharded else 0
-        )
+            if sharded:
+                local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
+            pending.append((module, attr, local_shape, tensor.dtype))
+        records.append(CacheRecord(
+            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens if sharded else 0
+        ))
+    _check_free_memory(home, pending, group.rank)
+    for module, attr, shape, dtype in pending:
+        _replace(module, attr, torch.zeros(shape, dtype=dtype, device=home))
+    for record in records:
+        tensor = _get_attr(model, record.name)
         register(tensor, record)
-        records.append(record)
         kv_bytes += tensor.numel() * tensor.element_size()
 
     mask_names = []
@@ -259,6 +337,12 @@ def prepare(
                     f"attribute) of the model; make it a buffer or build the mask from positions inside forward"
                 )
             qualname, module, attr = owners[id(tensor)]
+            tensor = getattr(module, attr)
+            if tensor.is_meta:
+                raise ValueError(
+                    f"causal-mask table {qualname} is on the meta device; only KV caches may be left on meta for "
+                    f"prepare to allocate. Build the table on the model's device ({home})"
+                )
             if tensor.shape[-1] != max_seq_len or not is_lower_triangular(tensor):
                 raise GraphPatternError(
                     f"causal-mask table {qualname} (shape {tuple(tensor.shape)}) is indexed by positions to mask "

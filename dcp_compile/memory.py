@@ -1,0 +1,195 @@
+"""Memory planning: what batch x context fits on one GPU at each DCP size.
+
+A configuration that does not fit is refused before anything is allocated, with the
+numbers, rather than failing later with an out-of-memory error at the first long prompt.
+
+Per rank the plan counts
+
+- the target weights (every rank holds all of them);
+- the target KV cache: ``layers * 2 * H_kv * D * bytes * B * slots``, where ``slots`` is
+  ``S`` for a group of one and ``S_loc + 1 + verify_tokens`` when sharded (``S_loc`` local
+  positions, the trash slot, the verify staging slots);
+- the draft: its weights (the embedding is shared with the target) and its whole KV cache;
+- a reserve for one step's activations: 2 GiB plus three fp32 copies of the step's logits
+  (``B * step_tokens * vocab``).  A prefill of ``P`` tokens needs ``step_tokens=P``.
+
+    planner = dcp.MemoryPlanner(cfg, dcp.device_budget("cuda"), draft=draft_cfg, verify_tokens=k + 1)
+    planner.check(dcp_size=2, max_batch=8, max_seq_len=131072)   # CapacityError saying what fits
+    planner.longest_context(dcp_size=2, max_batch=8)             # tokens per sequence that fit
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from dcp_compile.layout import local_capacity
+
+GiB = 1 << 30
+BASE_RESERVE_BYTES = 2 * GiB
+LOGIT_COPIES = 3
+
+
+class CapacityError(ValueError):
+    """The requested batch x context does not fit the device at this DCP size."""
+
+
+def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens: int = 0) -> int:
+    """Slots per sequence and layer that one rank's target cache holds."""
+    if dcp_size == 1:
+        return max_seq_len
+    return local_capacity(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
+
+
+def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
+    with torch.device("meta"):
+        module = module_factory()
+    return sum(p.numel() for name, p in module.named_parameters() if not name.startswith(skip)) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's bytes for a target (and draft) at a DCP size, against a budget."""
+
+    dcp_size: int
+    max_batch: int
+    max_seq_len: int
+    weight_bytes: int
+    target_kv_bytes: int
+    draft_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.target_kv_bytes + self.draft_bytes + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    def describe(self) -> str:
+        return (
+            f"DCP size {self.dcp_size}, {self.max_batch} x {self.max_seq_len} tokens: target KV "
+            f"{self.target_kv_bytes / GiB:.1f} GiB + weights {self.weight_bytes / GiB:.1f} GiB + draft "
+            f"{self.draft_bytes / GiB:.2f} GiB + reserve {self.reserve_bytes / GiB:.1f} GiB = "
+            f"{self.total_bytes / GiB:.1f} GiB per rank, budget {self.budget_bytes / GiB:.1f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlanner:
+    """Plans for one target (and draft) config on one device budget."""
+
+    target: object
+    """A ``LlamaConfig``."""
+    budget_bytes: int
+    dtype: torch.dtype = torch.bfloat16
+    draft: object | None = None
+    """A ``DraftConfig``, or None."""
+    verify_tokens: int = 0
+    interleave: int = 1
+    step_tokens: int | None = None
+
+    @cached_property
+    def _weight_bytes(self) -> tuple[int, int]:
+        from dcp_compile.models import EagleDraft, Llama
+
+        target = _param_bytes(lambda: Llama(self.target), self.dtype)
+        draft = 0 if self.draft is None else _param_bytes(lambda: EagleDraft(self.draft), self.dtype, skip=("embed.",))
+        return target, draft
+
+    def plan(self, dcp_size: int, max_batch: int, max_seq_len: int) -> MemoryPlan:
+        cfg = self.target
+        for name, value in (("dcp_size", dcp_size), ("max_batch", max_batch), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        per_slot = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * self.dtype.itemsize
+        slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens)
+        target_weights, draft_bytes = self._weight_bytes
+        if self.draft is not None:
+            draft_bytes += 2 * cfg.n_kv_heads * cfg.head_dim * self.dtype.itemsize * max_batch * max_seq_len
+        step = self.step_tokens or max(self.verify_tokens, 1)
+        return MemoryPlan(
+            dcp_size=dcp_size, max_batch=max_batch, max_seq_len=max_seq_len,
+            weight_bytes=target_weights,
+            target_kv_bytes=per_slot * max_batch * slots,
+            draft_bytes=draft_bytes,
+            reserve_bytes=BASE_RESERVE_BYTES + LOGIT_COPIES * 4 * max_batch * step * cfg.vocab_size,
+            budget_bytes=self.budget_bytes,
+        )
+
+    def smallest_dcp_size(self, max_batch: int, max_seq_len: int, largest: int = 64) -> int | None:
+        return next((n for n in range(1, largest + 1) if self.plan(n, max_batch, max_seq_len).fits), None)
+
+    def largest_batch(self, dcp_size: int, max_seq_len: int) -> int:
+        return _largest(lambda b: self.plan(dcp_size, b, max_seq_len).fits)
+
+    def longest_context(self, dcp_size: int, max_batch: int) -> int:
+        return _largest(lambda s: self.plan(dcp_size, max_batch, s).fits)
+
+    def check(self, dcp_size: int, max_batch: int, max_seq_len: int) -> MemoryPlan:
+        """The plan, or a ``CapacityError`` saying what does fit."""
+        plan = self.plan(dcp_size, max_batch, max_seq_len)
+        if plan.fits:
+            return plan
+        options = []
+        n = self.smallest_dcp_size(max_batch, max_seq_len)
+        if n is not None:
+            options.append(f"a DCP group of {n} ranks")
+        batch = self.largest_batch(dcp_size, max_seq_len)
+        if batch:
+            options.append(f"max_batch={batch} at this context")
+        context = self.longest_context(dcp_size, max_batch)
+        if context:
+            options.append(f"max_seq_len={context} at this batch")
+        fix = "; ".join(options) if options else "nothing at this DCP size: even the weights do not fit"
+        raise CapacityError(f"does not fit: {plan.describe()}. What fits: {fix}")
+
+
+def _largest(fits) -> int:
+    """The largest positive int ``x`` with ``fits(x)`` (monotone), or 0."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def device_budget(device: str | torch.device) -> int:
+    """Total memory of a CUDA device, in bytes."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"no memory budget is known for device {device}; pass budget_bytes=")
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def plan_memory(
+    target,
+    *,
+    dcp_size: int,
+    max_batch: int,
+    max_seq_len: int,
+    device: str | torch.device | None = None,
+    budget_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    draft=None,
+    verify_tokens: int = 0,
+    interleave: int = 1,
+    step_tokens: int | None = None,
+) -> MemoryPlan:
+    """One rank's memory for ``target`` (a ``LlamaConfig``) at ``dcp_size``; the budget is
+    ``budget_bytes`` or the total memory of the CUDA ``device``.  ``.fits`` says whether it
+    fits; ``MemoryPlanner(...).check`` raises with what would."""
+    if budget_bytes is None:
+        if device is None:
+            raise ValueError("plan_memory needs device= (a CUDA device) or budget_bytes=")
+        budget_bytes = device_budget(device)
+    planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens)
+    return planner.plan(dcp_size, max_batch, max_seq_len)

@@ -1,0 +1,89 @@
+"""Memory planning and KV caches built on the meta device."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.memory import GiB, CapacityError, MemoryPlanner, kv_slots, plan_memory
+from dcp_compile.models import DraftConfig, LlamaConfig
+from dcp_compile.runtime.launch import spawn_ranks
+from dcp_compile.testing import make_model, parity_worker
+from tests.runtime.test_parity import STEPS, assert_parity
+
+LLAMA_8B = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                       max_seq_len=64, aux_layers=(2, 16, 29))
+H200_BYTES = 143771 << 20
+
+
+def test_kv_bytes_follow_the_layout():
+    cfg = LlamaConfig(n_layers=3, n_kv_heads=2, dim=64, n_heads=4)  # head_dim 16
+    planner = MemoryPlanner(cfg, budget_bytes=1 << 40, dtype=torch.bfloat16, verify_tokens=5, interleave=2)
+    per_slot = 3 * 2 * 2 * 16 * 2
+    assert planner.plan(1, 4, 1000).target_kv_bytes == per_slot * 4 * 1000
+    # S_loc = ceil(1000 / (2 * 3)) * 2 = 334, then the trash slot and 5 staging slots
+    assert kv_slots(1000, 3, 2, 5) == 340
+    assert planner.plan(3, 4, 1000).target_kv_bytes == per_slot * 4 * 340
+
+
+def test_weights_are_counted_from_the_model_itself():
+    cfg = LlamaConfig()
+    model = make_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert MemoryPlanner(cfg, 1 << 40, dtype=torch.float32).plan(1, 1, 64).weight_bytes == params * 4
+
+
+def test_8b_shapes_on_one_h200():
+    planner = MemoryPlanner(LLAMA_8B, H200_BYTES, draft=DraftConfig(LLAMA_8B, "eagle3"), verify_tokens=4)
+    assert 14.5 * GiB < planner.plan(1, 1, 1024).weight_bytes < 15.5 * GiB
+    assert planner.plan(1, 8, 65536).fits
+    assert not planner.plan(1, 8, 131072).fits and planner.plan(2, 8, 131072).fits
+    assert planner.smallest_dcp_size(8, 131072) == 2
+    for dcp_size in (1, 2):
+        longest = planner.longest_context(dcp_size, 8)
+        assert planner.plan(dcp_size, 8, longest).fits and not planner.plan(dcp_size, 8, longest + 1).fits
+        batch = planner.largest_batch(dcp_size, 131072)
+        assert batch == 0 or planner.plan(dcp_size, batch, 131072).fits
+        assert not planner.plan(dcp_size, batch + 1, 131072).fits
+    # DCP=2 holds about twice the context of DCP=1 at the same batch
+    assert 1.8 < planner.longest_context(2, 8) / planner.longest_context(1, 8) < 2.2
+
+
+def test_refusal_gives_the_numbers_and_what_fits():
+    planner = MemoryPlanner(LLAMA_8B, H200_BYTES)
+    with pytest.raises(CapacityError, match=r"target KV 128\.0 GiB .* budget 140\.4 GiB\. What fits: a DCP group of 2 "
+                                            r"ranks; max_batch=7 at this context; max_seq_len=\d+ at this batch"):
+        planner.check(1, 8, 131072)
+    with pytest.raises(CapacityError, match="even the weights do not fit"):
+        MemoryPlanner(LLAMA_8B, 10 * GiB).check(1, 1, 1024)
+
+
+def test_plan_memory_needs_a_budget():
+    with pytest.raises(ValueError, match="needs device= .* or budget_bytes="):
+        plan_memory(LLAMA_8B, dcp_size=1, max_batch=1, max_seq_len=1024)
+    with pytest.raises(ValueError, match="no memory budget is known for device cpu"):
+        plan_memory(LLAMA_8B, dcp_size=1, max_batch=1, max_seq_len=1024, device="cpu")
+    assert plan_memory(LLAMA_8B, dcp_size=2, max_batch=1, max_seq_len=1024, budget_bytes=H200_BYTES).fits
+
+
+def test_meta_caches_are_allocated_by_prepare_at_full_size_for_a_group_of_one():
+    cfg = LlamaConfig()
+    model = make_model(cfg, cache_device="meta")
+    assert model.layers[0].attention.k_cache.is_meta
+    prepared = dcp.prepare(model, dcp.init_group("cpu"), max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+    cache = model.layers[0].attention.k_cache
+    assert cache.device.type == "cpu" and cache.shape == (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+    assert not cache.any() and prepared.kv_bytes == 2 * cfg.n_layers * cache.numel() * 4
+    assert all(not p.is_meta for p in model.parameters()), "the trace must give the weights back"
+    assert not model.rope_cos.is_meta
+
+
+def test_meta_caches_sharded_over_two_ranks_decode_like_the_unsharded_model():
+    results = spawn_ranks(parity_worker, 2, "aot_eager", "enable_gqa", STEPS, 1, "ag", "meta", timeout=600)
+    assert_parity(results, 2)
+
+
+def test_a_model_all_on_meta_is_refused():
+    with torch.device("meta"):
+        model = make_model(LlamaConfig(), device="meta", cache_device="meta")
+    with pytest.raises(ValueError, match="no parameters off the meta device; load its weights before prepare"):
+        dcp.prepare(model, dcp.init_group("cpu"), max_batch=3, max_seq_len=64)
