@@ -41,17 +41,14 @@ def log(rank: int, message: str) -> None:
 
 def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        with torch.device(device):
-            model = Llama(cfg, dtype=torch.get_default_dtype())
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if not name.endswith("norm.weight"):
-                        p.normal_(std=0.02)
-    finally:
-        torch.set_default_dtype(previous)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Caches on meta: prepare allocates only this rank's shard, so a DCP=2 point past the
+    # single-GPU edge never holds the whole cache, even for a moment.
+    model = Llama(cfg, dtype=dtype, device=device, cache_device="meta")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(std=0.02)
     model.eval()
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
     with torch.no_grad():
@@ -106,30 +103,63 @@ def step_timer(model, group, device, batch: int, tokens: int, reps: int):
     return timed
 
 
-def measure_arm(cfg, group, device, points, contexts, reps, seed) -> dict:
-    results = {}
-    for batch, tokens in points:
-        bcfg = dataclasses.replace(cfg, max_batch=batch)
-        model = build(bcfg, group, device, seed)
-        timed = step_timer(model, group, device, batch, tokens, reps)
-        for context in (0, *contexts):
-            results[(batch, tokens, context)] = timed(context)
-            log(group.rank, f"size {group.size} batch {batch} T {tokens} context {context}: "
-                            f"{results[(batch, tokens, context)] * 1e3:.3f} ms")
-        del model, timed
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
+def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed) -> dict:
+    """Step times of one (batch, tokens) graph at every context; {} if the plan refuses it."""
+    pcfg = dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64)
+    planner = dcp.MemoryPlanner(pcfg, dcp.device_budget(device) if device.type == "cuda" else 1 << 40,
+                                verify_tokens=tokens if tokens > 1 else 0)
+    try:
+        planner.check(group.size, batch, pcfg.max_seq_len)
+    except dcp.CapacityError as refusal:
+        log(group.rank, f"size {group.size} batch {batch} T {tokens}: refused by the plan: {refusal}")
+        return dict(refused=str(refusal))
+    model = build(pcfg, group, device, seed)
+    timed = step_timer(model, group, device, batch, tokens, reps)
+    times = {}
+    for context in (0, *contexts):
+        times[context] = timed(context)
+        log(group.rank, f"size {group.size} batch {batch} T {tokens} context {context}: {times[context] * 1e3:.3f} ms")
+    del model, timed
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times
+
+
+def rows_for(n, batch, tokens, contexts, sharded, single) -> list[dict]:
+    rows = []
+    if "refused" in sharded:
+        return rows
+    if "refused" in single:  # past the single-GPU edge: DCP=N alone, per GPU and per user
+        for context in contexts:
+            step = sharded[context]
+            rows.append(dict(batch=batch, tokens=tokens, context=context, dcp1_ms=None, dcpn_ms=step * 1e3,
+                             dcp1_refused=single["refused"], tokens_per_s_per_user=tokens / step,
+                             tokens_per_s_per_gpu=batch * tokens / step / n))
+        return rows
+    W = single[0]
+    C = sharded[0] - W
+    for context in contexts:
+        one, many = single[context], sharded[context]
+        A = one - W
+        ideal = (W + A / n + C) / (W + A)
+        rows.append(dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
+                         W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
+                         off_ideal=many / one / ideal - 1,
+                         tokens_per_s_per_user=dict(dcp1=tokens / one, dcpn=tokens / many),
+                         tokens_per_s_per_gpu=dict(dcp1=batch * tokens / one, dcpn=batch * tokens / many / n)))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes on CPU with gloo")
     parser.add_argument("--contexts", default="8192,16384,32768,65536")
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--batches", default="8,1")
     parser.add_argument("--verify-k", type=int, default=3, help="EAGLE3 chain k: verify steps carry k+1 tokens")
     parser.add_argument("--verify-batches", default="8")
+    parser.add_argument("--edge", default="8:131072",
+                        help="batch:context past one GPU's capacity (DCP=1 refused by the plan); '' to skip")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
@@ -140,36 +170,39 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.small:
         contexts = [48, 96]
-        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-                          max_seq_len=128)
+        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
         device = torch.device("cpu")
     else:
         cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                          max_seq_len=max(contexts) + 64, rope_theta=500000.0)
+                          rope_theta=500000.0)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     group = dcp.init_group(device)
-    points = [(int(b), 1) for b in args.batches.split(",")]
-    points += [(int(b), args.verify_k + 1) for b in args.verify_batches.split(",")]
-    sharded = measure_arm(cfg, group, device, points, contexts, args.reps, args.seed)
+    single_group = dcp.DCPGroup(1, 0, device, None)
+    n = group.size
+    points = [(int(b), 1, contexts) for b in args.batches.split(",")]
+    points += [(int(b), args.verify_k + 1, contexts) for b in args.verify_batches.split(",")]
+    if args.edge and not args.small:
+        batch, context = (int(x) for x in args.edge.split(":"))
+        points.append((batch, 1, [context]))
+    rows = []
+    for batch, tokens, point_contexts in points:
+        sharded = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
+        single = {}
+        if group.rank == 0:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
+            single = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps, args.seed)
+            rows += rows_for(n, batch, tokens, point_contexts, sharded, single)
+        if n > 1:
+            dist.barrier(group.process_group)
     if group.rank != 0:
         leave()
-    single = measure_arm(cfg, dcp.DCPGroup(1, 0, device, None), device, points, contexts, args.reps, args.seed)
-    n = group.size
-    rows = []
-    for batch, tokens in points:
-        W = single[(batch, tokens, 0)]
-        C = sharded[(batch, tokens, 0)] - W
-        for context in contexts:
-            one, many = single[(batch, tokens, context)], sharded[(batch, tokens, context)]
-            A = one - W
-            ideal = (W + A / n + C) / (W + A)
-            rows.append(dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
-                             W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
-                             off_ideal=many / one / ideal - 1))
     print(f"\n## decode step, DCP={n} against DCP=1 (same kernels), median of {args.reps} graph replays")
     print("| batch | T | context | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["dcp1_ms"] is None:
+            print(f"| {r['batch']} | {r['tokens']} | {r['context']} | refused | {r['dcpn_ms']:.3f} | - | - | - | "
+                  f"per user {r['tokens_per_s_per_user']:.1f} tok/s, per GPU {r['tokens_per_s_per_gpu']:.1f} tok/s |")
+            continue
         print(f"| {r['batch']} | {r['tokens']} | {r['context']} | {r['dcp1_ms']:.3f} | {r['dcpn_ms']:.3f} | "
               f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
     summary = dict(dcp_size=n, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
