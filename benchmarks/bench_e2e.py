@@ -180,7 +180,7 @@ def main() -> None:
     single_group = dcp.DCPGroup(1, 0, device, None)
     n = group.size
     points = [(int(b), 1, contexts) for b in args.batches.split(",")]
-    points += [(int(b), args.verify_k + 1, contexts) for b in args.verify_batches.split(",")]
+    points += [(int(b), args.verify_k + 1, contexts) for b in args.verify_batches.split(",") if b]
     if args.edge and not args.small:
         batch, context = (int(x) for x in args.edge.split(":"))
         points.append((batch, 1, [context]))
