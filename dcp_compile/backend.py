@@ -15,6 +15,8 @@ CPU tests of the passes.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +180,8 @@ class Backend:
         if self.lowering == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
+            with rank_identical_kernels(self.group.size):
+                return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     def _guard_positions(self, compiled, plan: Plan, records: list[CacheRecord]):
@@ -202,6 +205,28 @@ class Backend:
             return compiled(*args)
 
         return run
+
+
+def rank_identical_kernels(group_size: int):
+    """Inductor settings under which every rank compiles the same kernels.
+
+    Every rank of a group computes the replicated part of a step (the merge, the
+    projections, the MLP, the whole draft) on its own, and the ranks must agree bitwise
+    or they accept different tokens and then deadlock in mismatched collectives.  By
+    default Inductor picks among reduction configs by timing them on the device at the
+    first call, and timing noise can make ranks pick configs that sum in different
+    orders.  Its deterministic mode picks without timing.  Groups of one keep the defaults.
+    """
+    import torch._inductor.config as inductor_config
+
+    if group_size == 1:
+        return contextlib.nullcontext()
+    if not hasattr(inductor_config, "deterministic"):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch._inductor.config.deterministic, which DCP groups of more than "
+            f"one rank need so that every rank compiles the same kernels; use torch >= 2.11 or lowering='aot_eager'"
+        )
+    return inductor_config.patch(deterministic=True)
 
 
 def backend(
