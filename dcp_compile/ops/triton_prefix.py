@@ -17,9 +17,12 @@ Three choices follow from that:
   (``split_plan``).  Each slice writes a partial ``(out, lse)``; a second small
   kernel merges the slices exactly with LSE weights (the same algebra as
   ``lse_merge``).  With one slice the first kernel writes the result directly.
-- The split is fixed from the capacity ``S``, never from ``kv_len``: reading the
-  lengths on the host would sync the stream and break CUDA-graph capture.  Slices past
-  a sequence's length run no loop iteration and write ``lse = -inf``, ``out = 0``.
+- The number of slices is fixed from the capacity ``S``, never from ``kv_len``: reading
+  the lengths on the host would sync the stream and break CUDA-graph capture.  Each
+  program cuts its own sequence's ``kv_len`` (read on the device) into that many slices
+  of whole blocks, so a sequence far shorter than the cache still spreads over every
+  slice instead of leaving most of them idle.  Slices past a short sequence's length
+  run no loop iteration and write ``lse = -inf``, ``out = 0``.
 
 Slots at or past ``kv_len[b]`` are never loaded (masked loads), and their scores are
 set to ``-inf`` with ``tl.where``, so NaN or inf left in unused slots cannot leak:
@@ -77,7 +80,7 @@ DEFAULT_SM_COUNT = 132
 def _prefix_split_kernel(
     Q, K, V, KV_LEN, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    S, T, G, split_len,
+    S, T, G, num_splits,
     s_qb, s_qh, s_qt, s_qd,
     s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd,
@@ -103,6 +106,7 @@ def _prefix_split_kernel(
     )
 
     kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
     k_base = K + b * s_kb + kv_head.to(tl.int64) * s_kh
@@ -253,11 +257,11 @@ def prefix_attention_triton(
             torch.cuda.get_device_properties(q.device).multi_processor_count
             if q.device.type == "cuda" else DEFAULT_SM_COUNT
         )
-        num_splits, split_len = split_plan(B, Hkv, row_blocks, S, block_s, sm_count)
+        num_splits, _ = split_plan(B, Hkv, row_blocks, S, block_s, sm_count)
     else:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
-        num_splits, split_len = _splits_of(triton.cdiv(max(S, 1), block_s), num_splits, block_s)
+        num_splits, _ = _splits_of(triton.cdiv(max(S, 1), block_s), num_splits, block_s)
 
     out = torch.empty((B, Hq, T, D), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
@@ -274,7 +278,7 @@ def prefix_attention_triton(
     wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
         q, k_cache, v_cache, kv_len, o_part, lse_part,
         scale * 1.4426950408889634,
-        S, T, G, split_len,
+        S, T, G, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
