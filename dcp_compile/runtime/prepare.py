@@ -274,13 +274,23 @@ def prepare(
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
     home = _home_device(model)
-    if example_inputs is None:
+    defaulted = example_inputs is None
+    if defaulted:
         example_inputs = _default_example_inputs(model, max_batch, home)
-    if any(t.is_meta for t in _tensors(model)):
-        gm, inputs, owners = _trace_on_meta(model, tuple(example_inputs))
-    else:
-        gm, inputs = trace_graph(model, tuple(example_inputs))
-        owners = _owners(model)
+    try:
+        if any(t.is_meta for t in _tensors(model)):
+            gm, inputs, owners = _trace_on_meta(model, tuple(example_inputs))
+        else:
+            gm, inputs = trace_graph(model, tuple(example_inputs))
+            owners = _owners(model)
+    except ValueError as error:
+        if not defaulted:
+            raise
+        raise ValueError(
+            f"{error}. prepare called forward with {max_batch} rows (max_batch={max_batch}): if the model's KV "
+            f"caches hold another number of rows, build the model for max_batch={max_batch}, or pass "
+            f"example_inputs="
+        ) from error
     plan = find(gm)
     if sharded:
         for site in plan.sites:

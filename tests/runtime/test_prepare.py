@@ -106,6 +106,12 @@ def test_cache_shape_must_match_prepare_arguments():
         dcp.prepare(make_model(cfg), dcp.init_group("cpu"), "target", max_batch=3, max_seq_len=128)
 
 
+def test_cache_rows_other_than_max_batch_are_named_in_the_error():
+    cfg = LlamaConfig(max_batch=4, gqa="enable_gqa")
+    with pytest.raises(ValueError, match=r"forward with 2 rows \(max_batch=2\): if the model's KV caches hold another"):
+        dcp.prepare(make_model(cfg), dcp.init_group("cpu"), "target", max_batch=2, max_seq_len=cfg.max_seq_len)
+
+
 def test_role_must_match_between_prepare_and_backend():
     group, model = prepared_off_arm(role="draft")
     compiled = torch.compile(model, backend=dcp.backend(group, "target", lowering="aot_eager"), fullgraph=True)
