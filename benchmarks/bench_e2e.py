@@ -4,6 +4,11 @@
     timeout -k 10 580 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --out $OUT/e2e.json
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --small   # CPU, gloo: checks the script
 
+Each (batch, T) point costs one 32-layer Inductor compile per arm (about 2.3 minutes on
+the H200 machines); ``--arms`` and ``--batches`` / ``--verify-batches`` choose what a
+call measures, and every measured step is logged as it comes (``plot_regime.py`` reads
+the log), so a run cut short keeps what it measured.
+
 Like for like: both arms run the same kernels.  The DCP=N arm is ``dcp.backend(group)``
 over N ranks; the DCP=1 arm is ``dcp.backend(group_of_one, cascade=True)`` on rank 0
 (the same prefix kernel, window and merge, no collective).  One graph per (batch, T)
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--verify-batches", default="8")
     parser.add_argument("--edge", default="8:131072",
                         help="batch:context past one GPU's capacity (DCP=1 refused by the plan); '' to skip")
+    parser.add_argument("--arms", default="dcp,one", help="which arms to run: dcp (DCP=N), one (one GPU), or both")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
@@ -184,12 +190,17 @@ def main() -> None:
     if args.edge and not args.small:
         batch, context = (int(x) for x in args.edge.split(":"))
         points.append((batch, 1, [context]))
+    arms = set(args.arms.split(","))
+    if not arms <= {"dcp", "one"} or not arms:
+        raise SystemExit(f"--arms takes dcp, one or dcp,one; got {args.arms!r}")
     rows = []
     for batch, tokens, point_contexts in points:
-        sharded = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
-        single = {}
-        if group.rank == 0:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
+        sharded = single = {}
+        if "dcp" in arms:
+            sharded = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
+        if group.rank == 0 and "one" in arms:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
             single = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps, args.seed)
+        if group.rank == 0 and arms == {"dcp", "one"}:
             rows += rows_for(n, batch, tokens, point_contexts, sharded, single)
         if n > 1:
             dist.barrier(group.process_group)
