@@ -149,8 +149,10 @@ def _tensors(model: nn.Module):
 
 
 def _home_device(model: nn.Module) -> torch.device:
-    """Where this model computes: the device of its parameters."""
+    """Where this model computes: the device of its parameters (of its buffers if it has none)."""
     devices = {p.device for p in model.parameters() if not p.is_meta}
+    if not devices and not any(True for _ in model.parameters()):
+        devices = {b.device for b in model.buffers() if not b.is_meta}
     if not devices:
         raise ValueError(
             f"{type(model).__name__} has no parameters off the meta device; load its weights before prepare "
