@@ -191,6 +191,59 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} takes comma-separated positive integers, got {text!r}")
+    if not values or min(values) < 1:
+        parser.error(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from dcp_compile import memory
+    from dcp_compile.models import DraftConfig, LlamaConfig, eagle3_aux_layers
+    from dcp_compile.models.pretrained import load_config
+
+    sizes = _int_list(parser, "--dcp", args.dcp)
+    batches = _int_list(parser, "--batches", args.batches)
+    contexts = _int_list(parser, "--contexts", args.contexts)
+    if args.k < 0:
+        parser.error(f"--k must be >= 0, got {args.k}")
+    if args.gpu_gib is not None:
+        if args.gpu_gib <= 0:
+            parser.error(f"--gpu-gib must be > 0, got {args.gpu_gib}")
+        budget = int(args.gpu_gib * memory.GiB)
+    elif torch.cuda.is_available():
+        budget = memory.device_budget("cuda:0")
+    else:
+        parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
+    if args.model == "llama3-8b":
+        cfg = memory.llama3_8b_shape()
+        draft = DraftConfig(cfg, "eagle3") if args.k else None
+    else:
+        config = load_config(args.model)
+        fields = dict(config["target"], aux_layers=tuple(config["target"]["aux_layers"] or eagle3_aux_layers(2)))
+        cfg = LlamaConfig(**fields)
+        draft = DraftConfig(cfg, **config["draft"]) if args.k else None
+    planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
+                                   verify_tokens=args.k + 1 if args.k else 0)
+    longest, widest = memory.capacity_tables(planner, sizes, batches, contexts)
+    base = planner.plan(sizes[0], 1, 1)
+    print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU, budget "
+          f"{budget / memory.GiB:.1f} GiB (of which {memory.BASE_RESERVE_BYTES / memory.GiB:.0f} GiB plus the step's "
+          f"logits are kept for activations), {args.dtype}, " + (f"EAGLE3 draft, k={args.k}" if args.k else "no draft"))
+    header = " | ".join(f"DCP={n}" for n in sizes)
+    print(f"\nlongest context per sequence (tokens)\n| batch | {header} |\n|---|" + "---|" * len(sizes))
+    for batch, row in longest.items():
+        print(f"| {batch} | " + " | ".join(f"{row[n]:,}" if row[n] else "does not fit" for n in sizes) + " |")
+    print(f"\nmost sequences at a context\n| context | {header} |\n|---|" + "---|" * len(sizes))
+    for context, row in widest.items():
+        print(f"| {context:,} | " + " | ".join(f"{row[n]:,}" for n in sizes) + " |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-compile", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,7 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
+    p = sub.add_parser("plan", help="what batch x context fits on one GPU at each DCP size, before anything is allocated")
+    p.add_argument("--model", default="llama3-8b", help="llama3-8b (the shape), a shipped name or a checkpoint directory")
+    p.add_argument("--gpu-gib", type=float, help="memory per GPU in GiB; default: the total of CUDA device 0")
+    p.add_argument("--dcp", default="1,2,4,8", help="DCP sizes (comma-separated)")
+    p.add_argument("--batches", default="1,8,16,64")
+    p.add_argument("--contexts", default="8192,32768,131072,524288")
+    p.add_argument("--k", type=int, default=3, help="EAGLE3 chain length (verify staging and draft); 0: no draft")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_command(parser, args)
     if args.command == "train":
         return train_command(args)
     if args.command == "eval":

@@ -87,3 +87,41 @@ def test_a_model_all_on_meta_is_refused():
         model = make_model(LlamaConfig(), device="meta", cache_device="meta")
     with pytest.raises(ValueError, match="no parameters off the meta device; load its weights before prepare"):
         dcp.prepare(model, dcp.init_group("cpu"), max_batch=3, max_seq_len=64)
+
+
+def test_plan_command_prints_what_the_planner_says(capsys):
+    from dcp_compile.cli import main
+    from dcp_compile.memory import llama3_8b_shape
+
+    assert main(["plan", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8", "--contexts", "131072"]) == 0
+    printed = capsys.readouterr().out
+    cfg = llama3_8b_shape()
+    planner = MemoryPlanner(cfg, int(139.8 * GiB), draft=DraftConfig(cfg, "eagle3"), verify_tokens=4)
+    longest = [planner.longest_context(n, 8) for n in (1, 2)]
+    widest = [planner.largest_batch(n, 131072) for n in (1, 2)]
+    assert f"| 8 | {longest[0]:,} | {longest[1]:,} |" in printed
+    assert f"| 131,072 | {widest[0]:,} | {widest[1]:,} |" in printed
+    assert widest[1] >= 2 * widest[0] - 1 and longest[1] > longest[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dcp", "0"], "--dcp takes comma-separated positive integers, got '0'"),
+    (["--batches", "8,x"], "--batches takes comma-separated positive integers"),
+    (["--gpu-gib", "-1"], "--gpu-gib must be > 0"),
+    (["--k", "-1"], "--k must be >= 0"),
+])
+def test_plan_command_bad_flags(capsys, argv, message):
+    from dcp_compile.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--gpu-gib", "80", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_command_without_a_gpu_asks_for_the_memory(capsys, monkeypatch):
+    from dcp_compile.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["plan"])
+    assert "pass --gpu-gib" in capsys.readouterr().err
