@@ -3,6 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash benchmarks/gpu_bench.sh merge graphs      # per-layer merge; captured speculative loop
 #   bash benchmarks/gpu_bench.sh e2e               # 8B-shaped decode step, DCP=2 vs DCP=1
+#   NPROC=4 bash benchmarks/gpu_bench.sh gate merge  # any group size: the speculative gate, the merge sweep
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,7 +31,8 @@ for what in "$@"; do
     merge)  phase merge "${MERGE_SECONDS:-240}" benchmarks/bench_merge.py --out "$OUT/merge.json" ;;
     graphs) phase graphs "${GRAPHS_SECONDS:-300}" benchmarks/gpu_cuda_graphs.py --json "$OUT/graphs.json" ;;
     e2e)    phase e2e "${E2E_SECONDS:-560}" benchmarks/bench_e2e.py --out "$OUT/e2e.json" ${E2E_ARGS:-} ;;
-    *) echo "unknown phase $what (merge, graphs, e2e)"; exit 2 ;;
+    gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ;;
+    *) echo "unknown phase $what (merge, graphs, e2e, gate)"; exit 2 ;;
   esac
 done
 for what in "$@"; do
