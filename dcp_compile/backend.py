@@ -188,16 +188,20 @@ class Backend:
         if not self.check_positions or not plan.position_inputs or not records:
             return compiled
         max_seq_len = records[0].layout.max_seq_len
-        indices = plan.position_inputs
+        sources = plan.position_inputs
 
         def check(args) -> None:
-            for i in indices:
+            for i, reach in sources:
                 positions = args[i]
-                if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_seq_len):
+                if not positions.numel():
+                    continue
+                low, high = int(positions.min()), int(positions.max()) + reach
+                if low < 0 or high >= max_seq_len:
                     raise ValueError(
-                        f"positions must lie in [0, max_seq_len={max_seq_len}), got values in "
-                        f"[{int(positions.min())}, {int(positions.max())}]: the KV cache has no slot for them. "
-                        f"Stop the sequence before it reaches max_seq_len, or prepare with a larger max_seq_len"
+                        f"positions must lie in [0, max_seq_len={max_seq_len}), got values in [{low}, {high}]: "
+                        f"the KV cache has no slot for them. Stop the sequence before it reaches max_seq_len, "
+                        f"or prepare with a larger max_seq_len (a Hugging Face DCPStaticCache: a larger "
+                        f"max_cache_len, or cache.reset() between requests)"
                     )
 
         def run(*args):

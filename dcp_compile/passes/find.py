@@ -86,8 +86,10 @@ class Plan:
     """Placeholder indices of causal-mask tables (``[positions, slots]``, gpt-fast's
     ``causal_mask``) that proven masks index; their last axis runs along the cache's
     sequence axis, and the proofs assume them lower triangular."""
-    position_inputs: tuple[int, ...]
-    """Placeholder indices whose values are the global positions written this step."""
+    position_inputs: tuple[tuple[int, int], ...]
+    """``(placeholder index, reach)``: the positions written this step lie between that
+    input's smallest value and its largest value plus ``reach`` (0 when the input holds
+    the positions; ``T - 1`` for ``arange(T) + length``, Hugging Face's form)."""
 
 
 _LAYOUT_ONLY = frozenset(
@@ -108,6 +110,35 @@ def _root_input(node, ops=_INDEX_VIEWS) -> Node | None:
         if op_name(node) not in ops or not node.args:
             return None
         node = node.args[0]
+    return None
+
+
+def _arange_reach(node) -> int | None:
+    """``T - 1`` for ``arange(T)`` or ``arange(0, T)`` with constant ``T`` (through views)."""
+    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
+        node = node.args[0]
+    if not isinstance(node, Node) or op_name(node) != "arange" or node.kwargs.get("step", 1) != 1:
+        return None
+    bounds = list(node.args)
+    if len(bounds) == 2 and bounds[0] == 0:
+        bounds = bounds[1:]
+    if len(bounds) != 1 or not isinstance(bounds[0], int) or bounds[0] < 1:
+        return None
+    return bounds[0] - 1
+
+
+def _position_source(node) -> tuple[Node, int] | None:
+    """The placeholder that written positions come from, and their reach past its values."""
+    root = _root_input(node)
+    if root is not None:
+        return root, 0
+    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
+        node = node.args[0]
+    if isinstance(node, Node) and op_name(node) == "add" and len(node.args) == 2:
+        for base, offset in (node.args, node.args[::-1]):
+            root, reach = _root_input(base), _arange_reach(offset)
+            if root is not None and reach is not None:
+                return root, reach
     return None
 
 
@@ -298,7 +329,10 @@ def find(gm: GraphModule) -> Plan:
         )
 
     mask_inputs = {input_index[t] for site in sites if site.mask.proven for t in site.mask.tables}
-    position_inputs = {input_index[r] for w in writes.values() if (r := _root_input(w.positions)) is not None}
+    position_inputs = {
+        (input_index[source[0]], source[1])
+        for w in writes.values() if (source := _position_source(w.positions)) is not None
+    }
     return Plan(
         caches=tuple(caches.values()),
         writes=tuple(writes.values()),

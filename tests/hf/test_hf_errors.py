@@ -59,9 +59,26 @@ def test_hf_masks_are_proven(family):
     model = make_hf_model(family)
     for tokens in (1, 4):
         cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
-        gm, _ = capture_graph(OwnLoop(model, cache), torch.ones(2, tokens, dtype=torch.long))
+        gm, inputs = capture_graph(OwnLoop(model, cache), torch.ones(2, tokens, dtype=torch.long))
         plan = find(gm)
         assert len(plan.sites) == 2 and all(s.mask.proven for s in plan.sites)
+        # positions are arange(T) + cache.length: the host check knows how far they reach
+        assert [(inputs[i] is cache.length, reach) for i, reach in plan.position_inputs] == [(True, tokens - 1)]
+
+
+def test_own_loop_past_max_cache_len_is_refused_before_writing():
+    """A sharded cache would send the overflow to the trash slot and answer wrongly; the
+    backend's host check refuses the call instead (here on a group of one)."""
+    model = make_hf_model("llama")
+    group = dcp.init_group("cpu")
+    cache = DCPStaticCache(model.config, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    model_c = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        model_c(input_ids=torch.ones(2, MAX_SEQ_LEN - 2, dtype=torch.long), **{cache_kwarg(model): cache})
+        with pytest.raises(ValueError, match=rf"positions must lie in \[0, max_seq_len={MAX_SEQ_LEN}\), got values in "
+                                             rf"\[{MAX_SEQ_LEN - 2}, {MAX_SEQ_LEN + 1}\]"):
+            model_c(input_ids=torch.ones(2, 4, dtype=torch.long), **{cache_kwarg(model): cache})
+        assert int(cache.length) == MAX_SEQ_LEN - 2, "nothing was written"
 
 
 def test_wrapper_refuses_sliding_window_and_other_attention():

@@ -23,7 +23,7 @@ def test_find_on_reference_model_finds_every_layer(gqa):
         assert inputs[site.v_write.cache.input_index] is attention.v_cache
         assert site.k_write.index.kind == "setitem" and site.k_write.cache.seq_dim == 2
         assert site.scale == pytest.approx(cfg.head_dim**-0.5)
-    assert [inputs[i].dtype for i in plan.position_inputs] == [torch.long]
+    assert [(inputs[i].dtype, reach) for i, reach in plan.position_inputs] == [(torch.long, 0)]
     assert plan.mask_inputs == ()
 
 
