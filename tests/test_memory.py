@@ -125,3 +125,19 @@ def test_plan_command_without_a_gpu_asks_for_the_memory(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["plan"])
     assert "pass --gpu-gib" in capsys.readouterr().err
+
+
+def test_a_draft_cache_left_on_meta_is_allocated_whole():
+    cfg = LlamaConfig(aux_layers=(0, 1, 2))
+    from dcp_compile.models import EagleDraft
+
+    draft = EagleDraft(DraftConfig(cfg, "eagle3"), cache_device="meta").eval()
+    assert draft.attention.k_cache.is_meta
+    feature_width = cfg.dim * 3
+    example = (torch.zeros(cfg.max_batch, 1, dtype=torch.long), torch.zeros(cfg.max_batch, 1, dtype=torch.long),
+               torch.zeros(cfg.max_batch, 1, feature_width))
+    dcp.prepare(draft, dcp.init_group("cpu"), "draft", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len,
+                example_inputs=example)
+    cache = draft.attention.k_cache
+    assert not cache.is_meta and cache.shape == (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+    assert not cache.any()
