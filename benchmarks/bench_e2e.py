@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
-from dcp_compile.models import Llama, LlamaConfig
+from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from _report import leave, report, watchdog
 
 
@@ -63,18 +63,15 @@ def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
     return model
 
 
-def step_timer(model, group, device, batch: int, tokens: int, reps: int):
-    """A function context -> median seconds of one step of ``tokens`` new tokens per sequence."""
-    backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False,
-                          lowering="inductor" if device.type == "cuda" else "aot_eager")
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
-    token_ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), device=device)
-    positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+def replay_timer(call, positions, group, device, reps: int):
+    """A function context -> median seconds of ``call()`` with ``positions`` set to
+    ``context + arange(T)`` on every row: CUDA-graph replays timed with events on GPU."""
+    batch, tokens = positions.shape
     step = torch.arange(tokens, device=device)
 
     def run():
         with torch.no_grad():
-            return compiled(token_ids, positions)
+            return call()
 
     if device.type == "cuda":
         for _ in range(2):
@@ -108,6 +105,63 @@ def step_timer(model, group, device, batch: int, tokens: int, reps: int):
     return timed
 
 
+def lowering_for(device) -> str:
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
+def step_timer(model, group, device, batch: int, tokens: int, reps: int):
+    """A function context -> median seconds of one target step of ``tokens`` new tokens per sequence."""
+    backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False, lowering=lowering_for(device))
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    token_ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), device=device)
+    positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+    return replay_timer(lambda: compiled(token_ids, positions), positions, group, device, reps)
+
+
+def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, reps: int, seed: int) -> dict:
+    """Per context, the EAGLE3 draft's share of one speculative step of ``k = tokens - 1``
+    drafts: one extend over the ``k + 1`` verified positions plus ``k - 1`` chain steps.
+    The draft is whole on every rank, so it costs the same in both arms: measured once,
+    on a group of one."""
+    single = dcp.DCPGroup(1, 0, device, None)
+    dcfg = DraftConfig(dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64), "eagle3",
+                       draft_vocab_size=min(32768, cfg.vocab_size))
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    draft = EagleDraft(dcfg, dtype=dtype, device=device, cache_device="meta").eval()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(std=0.02)
+    width = cfg.dim * dcfg.n_features
+
+    def inputs(t: int, features: int):
+        return (torch.zeros(batch, t, dtype=torch.long, device=device), torch.zeros(batch, t, dtype=torch.long, device=device),
+                torch.randn(batch, t, features, device=device, dtype=dtype))
+
+    dcp.prepare(draft, single, "draft", max_batch=batch, max_seq_len=dcfg.target.max_seq_len,
+                example_inputs=inputs(1, cfg.dim))
+    with torch.no_grad():
+        draft.attention.k_cache.normal_()
+        draft.attention.v_cache.normal_()
+    compiled = torch.compile(draft, backend=dcp.backend(single, "draft", lowering=lowering_for(device)), fullgraph=True,
+                             dynamic=False)
+    timers = {}
+    for t, features in ((tokens, width), (1, cfg.dim)):
+        ids, positions, feats = inputs(t, features)
+        timers[t] = replay_timer(lambda ids=ids, positions=positions, feats=feats: compiled(ids, positions, feats),
+                                 positions, single, device, reps)
+    times = {}
+    for context in contexts:
+        extend, step = timers[tokens](context), timers[1](context)
+        times[context] = extend + (tokens - 2) * step
+        log(0, f"draft batch {batch} k {tokens - 1} context {context}: extend {extend * 1e3:.3f} ms, step "
+               f"{step * 1e3:.3f} ms, per speculative step {times[context] * 1e3:.3f} ms")
+    del draft, compiled, timers
+    torch._dynamo.reset()
+    return times
+
+
 def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed) -> dict:
     """Step times of one (batch, tokens) graph at every context; {} if the plan refuses it."""
     pcfg = dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64)
@@ -131,7 +185,7 @@ def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed) -> di
     return times
 
 
-def rows_for(n, batch, tokens, contexts, sharded, single) -> list[dict]:
+def rows_for(n, batch, tokens, contexts, sharded, single, draft=None) -> list[dict]:
     rows = []
     if "refused" in sharded:
         return rows
@@ -148,11 +202,18 @@ def rows_for(n, batch, tokens, contexts, sharded, single) -> list[dict]:
         one, many = single[context], sharded[context]
         A = one - W
         ideal = (W + A / n + C) / (W + A)
-        rows.append(dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
-                         W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
-                         off_ideal=many / one / ideal - 1,
-                         tokens_per_s_per_user=dict(dcp1=tokens / one, dcpn=tokens / many),
-                         tokens_per_s_per_gpu=dict(dcp1=batch * tokens / one, dcpn=batch * tokens / many / n)))
+        row = dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
+                   W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
+                   off_ideal=many / one / ideal - 1,
+                   tokens_per_s_per_user=dict(dcp1=tokens / one, dcpn=tokens / many),
+                   tokens_per_s_per_gpu=dict(dcp1=batch * tokens / one, dcpn=batch * tokens / many / n))
+        if draft:  # a whole speculative step: verify plus the draft's extend and chain
+            D = draft[context]
+            spec_ideal = (W + A / n + C + D) / (W + A + D)
+            row.update(draft_ms=D * 1e3, spec_dcp1_ms=(one + D) * 1e3, spec_dcpn_ms=(many + D) * 1e3,
+                       spec_ratio=(many + D) / (one + D), spec_ideal=spec_ideal,
+                       spec_off_ideal=(many + D) / (one + D) / spec_ideal - 1)
+        rows.append(row)
     return rows
 
 
@@ -198,10 +259,13 @@ def main() -> None:
         sharded = single = {}
         if "dcp" in arms:
             sharded = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
+        draft = None
         if group.rank == 0 and "one" in arms:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
             single = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps, args.seed)
+            if tokens > 1 and "refused" not in single:
+                draft = measure_draft(cfg, device, batch, tokens, point_contexts, args.reps, args.seed)
         if group.rank == 0 and arms == {"dcp", "one"}:
-            rows += rows_for(n, batch, tokens, point_contexts, sharded, single)
+            rows += rows_for(n, batch, tokens, point_contexts, sharded, single, draft)
         if n > 1:
             dist.barrier(group.process_group)
     if group.rank != 0:
@@ -216,6 +280,16 @@ def main() -> None:
             continue
         print(f"| {r['batch']} | {r['tokens']} | {r['context']} | {r['dcp1_ms']:.3f} | {r['dcpn_ms']:.3f} | "
               f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
+    spec = [r for r in rows if "spec_ratio" in r]
+    if spec:
+        print(f"\n## speculative step (EAGLE3 chain k={args.verify_k}): verify + draft extend + {args.verify_k - 1} "
+              f"draft steps; the draft is whole, the same in both arms")
+        print("| batch | context | draft ms | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in spec:
+            print(f"| {r['batch']} | {r['context']} | {r['draft_ms']:.3f} | {r['spec_dcp1_ms']:.3f} | "
+                  f"{r['spec_dcpn_ms']:.3f} | {r['spec_ratio']:.3f} | {r['spec_ideal']:.3f} | "
+                  f"{r['spec_off_ideal']:+.1%} | {'met' if abs(r['spec_off_ideal']) <= 0.05 else 'missed'} |")
     summary = dict(dcp_size=n, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    torch=torch.__version__, reps=args.reps, rows=rows)
     report(summary, args.out)
