@@ -36,6 +36,8 @@ normed hidden state), taken by forward hooks, so the graph has no break.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -294,11 +296,19 @@ class DCPCausalLM(nn.Module):
         self._cache_kwarg = cache_kwarg(model)
         self._features: dict[int, torch.Tensor] = {}
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        for i in aux_layers:
-            if i < self.cfg.n_layers:
-                decoder.layers[i].register_forward_pre_hook(self._keep_input(i), with_kwargs=True)
-            else:
-                decoder.norm.register_forward_hook(self._keep_output(i))
+        self._hooks = [
+            decoder.layers[i].register_forward_pre_hook(self._keep_input(i), with_kwargs=True)
+            if i < self.cfg.n_layers else decoder.norm.register_forward_hook(self._keep_output(i))
+            for i in aux_layers
+        ]
+
+    def remove_hooks(self) -> None:
+        """Take the feature hooks off the wrapped model, giving it back as it was; the
+        wrapper returns no features after this."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.cfg = dataclasses.replace(self.cfg, aux_layers=())
 
     def _keep_input(self, index: int):
         def hook(module, args, kwargs):

@@ -81,6 +81,24 @@ def test_own_loop_past_max_cache_len_is_refused_before_writing():
         assert int(cache.length) == MAX_SEQ_LEN - 2, "nothing was written"
 
 
+def test_wrapper_gives_the_model_back_without_its_hooks():
+    model = make_hf_model("llama")
+    layers = model.model.layers
+    wrapper = DCPCausalLM(model, max_batch=2, max_seq_len=MAX_SEQ_LEN, aux_layers=(0, 1, 2))
+    assert len(layers[0]._forward_pre_hooks) == 1 and len(model.model.norm._forward_hooks) == 1
+    tokens = torch.ones(2, 3, dtype=torch.long)
+    positions = torch.arange(3).expand(2, 3)
+    with torch.no_grad():
+        logits, features = wrapper(tokens, positions)
+    assert features.shape == (2, 3, 3 * model.config.hidden_size)
+    wrapper.remove_hooks()
+    assert not layers[0]._forward_pre_hooks and not model.model.norm._forward_hooks
+    wrapper.cache.reset()
+    with torch.no_grad():
+        again = wrapper(tokens, positions)  # logits alone now, with the same values
+    torch.testing.assert_close(again, logits)
+
+
 def test_wrapper_refuses_sliding_window_and_other_attention():
     with pytest.raises(ValueError, match="sliding-window"):
         DCPCausalLM(make_hf_model("mistral", sliding_window=16), max_batch=2, max_seq_len=MAX_SEQ_LEN)
