@@ -50,17 +50,18 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
-    style = {1: dict(color="tab:gray", marker="o", label="one GPU (DCP=1, same kernels)"),
-             2: dict(color="tab:blue", marker="s", label="DCP=2 (two GPUs)")}
+    colors = {1: "tab:gray", 2: "tab:blue", 4: "tab:green", 8: "tab:purple"}
     for size in sorted(times):
         contexts = sorted(times[size])
         ms = [times[size][c] for c in contexts]
         k = [c / 1024 for c in contexts]
-        left.plot(k, ms, **style.get(size, dict(label=f"DCP={size}")))
-        right.plot(k, [args.batch * 1e3 / t for t in ms], **style.get(size, dict(label=f"DCP={size}")))
+        label = "one GPU (DCP=1, same kernels)" if size == 1 else f"DCP={size} ({size} GPUs)"
+        style = dict(color=colors.get(size), marker="o" if size == 1 else "s")
+        left.plot(k, ms, label=label, **style)
+        right.plot(k, [args.batch * 1e3 / t for t in ms], label=label, **style)
         if size > 1:
-            right.plot(k, [args.batch * 1e3 / t / size for t in ms], color="tab:blue", ls="--", marker="s",
-                       mfc="none", label=f"DCP={size}, per GPU")
+            right.plot(k, [args.batch * 1e3 / t / size for t in ms], ls="--", mfc="none", label=f"DCP={size}, per GPU",
+                       **style)
     for context in refused:
         for axis in (left, right):
             axis.axvline(context / 1024, color="tab:red", ls=":", lw=1)
