@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import json
 import os
@@ -16,6 +17,15 @@ def watchdog(seconds: float) -> None:
     rank's exit cannot get the others killed before they print."""
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, exit=False)
+
+
+def parse_with_watchdog(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser.parse_args()`` with a ``--watchdog SECONDS`` option, armed before returning."""
+    parser.add_argument("--watchdog", type=float, default=0,
+                        help="seconds; then print every thread's stack if still running (0: off)")
+    args = parser.parse_args()
+    watchdog(args.watchdog)
+    return args
 
 
 def report(summary: dict | None, path: str | None) -> None:

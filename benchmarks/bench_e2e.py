@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
-from _report import leave, report, watchdog
+from _report import leave, parse_with_watchdog, report
 
 
 def log(rank: int, message: str) -> None:
@@ -44,17 +44,21 @@ def log(rank: int, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """Random weights of an 8B model's scale on its own device (norms stay at one)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(std=0.02)
+    return model
+
+
 def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # Caches on meta: prepare allocates only this rank's shard, so a DCP=2 point past the
     # single-GPU edge never holds the whole cache, even for a moment.
-    model = Llama(cfg, dtype=dtype, device=device, cache_device="meta")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(std=0.02)
-    model.eval()
+    model = randomize(Llama(cfg, dtype=dtype, device=device, cache_device="meta")).eval()
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
     with torch.no_grad():
         for layer in model.layers:  # random K/V everywhere: timing must not read zeros
@@ -128,11 +132,7 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
                        draft_vocab_size=min(32768, cfg.vocab_size))
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    draft = EagleDraft(dcfg, dtype=dtype, device=device, cache_device="meta").eval()
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(std=0.02)
+    draft = randomize(EagleDraft(dcfg, dtype=dtype, device=device, cache_device="meta")).eval()
     width = cfg.dim * dcfg.n_features
 
     def inputs(t: int, features: int):
@@ -230,10 +230,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
-    parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; then print every thread's stack if still running (0: off)")
-    args = parser.parse_args()
-    watchdog(args.watchdog)
+    args = parse_with_watchdog(parser)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.small:
         contexts = [48, 96]

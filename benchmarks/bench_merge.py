@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dcp_compile.passes.shard_attention import (
     ALL_GATHER, ALL_TO_ALL, WAIT, join_heads, merge_exchanged, merge_gathered, pack_partial, split_heads,
 )
-from _report import leave, report, watchdog
+from _report import leave, parse_with_watchdog, report
 
 
 def make_chain(kind: str, size: int, rank: int, group_name: str, layers: int):
@@ -94,10 +94,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--out")
-    parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; then print every thread's stack if still running (0: off)")
-    args = parser.parse_args()
-    watchdog(args.watchdog)
+    args = parse_with_watchdog(parser)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

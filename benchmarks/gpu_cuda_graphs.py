@@ -27,7 +27,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models.pretrained import load_pair
 from dcp_compile.runtime.spec import SpecDecoder
-from _report import leave, report, watchdog
+from _report import leave, parse_with_watchdog, report
 
 PROMPTS = [b"def fibonacci(n):\n", b"import os\n\n\ndef walk(root):\n", b"class Stack:\n    def push(self, item):\n",
            b"    for line in lines:\n        if ", b"if __name__ == '__main__':\n", b"import re\n\n_WORD = ",
@@ -67,10 +67,7 @@ def run(group, cuda_graphs: bool, comm: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; then print every thread's stack if still running (0: off)")
-    args = parser.parse_args()
-    watchdog(args.watchdog)
+    args = parse_with_watchdog(parser)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     group = dcp.init_group(device)
     results = {}

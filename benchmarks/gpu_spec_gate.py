@@ -21,7 +21,7 @@ import time
 import torch
 
 import dcp_compile as dcp
-from _report import watchdog
+from _report import parse_with_watchdog
 from dcp_compile.runtime.spec import SpecDecoder
 from dcp_compile.testing import agreeing_pair
 
@@ -68,10 +68,7 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor")
-    parser.add_argument("--watchdog", type=float, default=0,
-                        help="seconds; then print every thread's stack if still running (0: off)")
-    args = parser.parse_args()
-    watchdog(args.watchdog)
+    args = parse_with_watchdog(parser)
     group = dcp.init_group()
     device, dtype = group.device, getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

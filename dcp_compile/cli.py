@@ -203,8 +203,8 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int
 
 def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dcp_compile import memory
-    from dcp_compile.models import DraftConfig, LlamaConfig, eagle3_aux_layers
-    from dcp_compile.models.pretrained import load_config
+    from dcp_compile.models import DraftConfig
+    from dcp_compile.models.pretrained import pair_configs
 
     sizes = _int_list(parser, "--dcp", args.dcp)
     batches = _int_list(parser, "--batches", args.batches)
@@ -223,10 +223,8 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         cfg = memory.llama3_8b_shape()
         draft = DraftConfig(cfg, "eagle3") if args.k else None
     else:
-        config = load_config(args.model)
-        fields = dict(config["target"], aux_layers=tuple(config["target"]["aux_layers"] or eagle3_aux_layers(2)))
-        cfg = LlamaConfig(**fields)
-        draft = DraftConfig(cfg, **config["draft"]) if args.k else None
+        cfg, draft = pair_configs(args.model)
+        draft = draft if args.k else None
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
                                    verify_tokens=args.k + 1 if args.k else 0)
     longest, widest = memory.capacity_tables(planner, sizes, batches, contexts)

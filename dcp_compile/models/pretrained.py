@@ -69,6 +69,22 @@ def load_config(name_or_path: str | Path = "tiny-code") -> dict:
     return json.loads(path.read_text())
 
 
+def pair_configs(name_or_path: str | Path = "tiny-code", **cache) -> tuple[LlamaConfig, DraftConfig]:
+    """The target and draft configs of a checkpoint; ``cache`` sets ``max_batch`` and
+    ``max_seq_len`` (the config's defaults when omitted)."""
+    directory = _resolve(name_or_path)
+    config = load_config(directory)
+    try:
+        fields = dict(config["target"], aux_layers=tuple(config["target"]["aux_layers"]))
+        cfg = LlamaConfig(**fields, **cache)
+        return cfg, DraftConfig(cfg, **config["draft"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(
+            f"{directory / 'config.json'} does not describe a target and draft ({type(err).__name__}: {err}); "
+            f"expected the 'target' and 'draft' sections `dcp-compile train` writes"
+        ) from err
+
+
 def load_pair(
     name_or_path: str | Path = "tiny-code",
     *,
@@ -82,20 +98,11 @@ def load_pair(
     from safetensors.torch import load_file
 
     directory = _resolve(name_or_path)
-    config = load_config(directory)
     files = [directory / "target.safetensors", directory / "draft.safetensors"]
     for weights in files:
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing from the checkpoint directory")
-    try:
-        fields = dict(config["target"], aux_layers=tuple(config["target"]["aux_layers"]))
-        cfg = LlamaConfig(**fields, max_batch=max_batch, max_seq_len=max_seq_len)
-        draft_cfg = DraftConfig(cfg, **config["draft"])
-    except (KeyError, TypeError) as err:
-        raise ValueError(
-            f"{directory / 'config.json'} does not describe a target and draft ({type(err).__name__}: {err}); "
-            f"expected the 'target' and 'draft' sections `dcp-compile train` writes"
-        ) from err
+    cfg, draft_cfg = pair_configs(directory, max_batch=max_batch, max_seq_len=max_seq_len)
     target, draft = Llama(cfg), EagleDraft(draft_cfg)
     for model, weights in zip((target, draft), files):
         state = load_file(str(weights))

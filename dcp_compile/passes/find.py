@@ -102,21 +102,22 @@ def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _root_input(node, ops=_INDEX_VIEWS) -> Node | None:
-    """The placeholder ``node`` is a view of, following only single-input ``ops``."""
-    while isinstance(node, Node):
-        if node.op == "placeholder":
-            return node
-        if op_name(node) not in ops or not node.args:
-            return None
+def _strip_views(node):
+    """``node`` with the index views on top of it taken off."""
+    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
         node = node.args[0]
-    return None
+    return node
+
+
+def _root_input(node) -> Node | None:
+    """The placeholder ``node`` is a view of, following only single-input index views."""
+    node = _strip_views(node)
+    return node if isinstance(node, Node) and node.op == "placeholder" else None
 
 
 def _arange_reach(node) -> int | None:
     """``T - 1`` for ``arange(T)`` or ``arange(0, T)`` with constant ``T`` (through views)."""
-    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
-        node = node.args[0]
+    node = _strip_views(node)
     if not isinstance(node, Node) or op_name(node) != "arange" or node.kwargs.get("step", 1) != 1:
         return None
     bounds = list(node.args)
@@ -132,8 +133,7 @@ def _position_source(node) -> tuple[Node, int] | None:
     root = _root_input(node)
     if root is not None:
         return root, 0
-    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
-        node = node.args[0]
+    node = _strip_views(node)
     if isinstance(node, Node) and op_name(node) == "add" and len(node.args) == 2:
         for base, offset in (node.args, node.args[::-1]):
             root, reach = _root_input(base), _arange_reach(offset)
