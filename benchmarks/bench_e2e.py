@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -217,6 +218,57 @@ def rows_for(n, batch, tokens, contexts, sharded, single, draft=None) -> list[di
     return rows
 
 
+def print_tables(rows: list[dict], n: int, reps: int, k: int) -> None:
+    print(f"\n## decode step, DCP={n} against DCP=1 (same kernels), median of {reps} graph replays")
+    print("| batch | T | context | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["dcp1_ms"] is None:
+            print(f"| {r['batch']} | {r['tokens']} | {r['context']} | refused | {r['dcpn_ms']:.3f} | - | - | - | "
+                  f"per user {r['tokens_per_s_per_user']:.1f} tok/s, per GPU {r['tokens_per_s_per_gpu']:.1f} tok/s |")
+            continue
+        print(f"| {r['batch']} | {r['tokens']} | {r['context']} | {r['dcp1_ms']:.3f} | {r['dcpn_ms']:.3f} | "
+              f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
+    spec = [r for r in rows if "spec_ratio" in r]
+    if spec:
+        print(f"\n## speculative step (EAGLE3 chain k={k}): verify + draft extend + {k - 1} "
+              f"draft steps; the draft is whole, the same in both arms")
+        print("| batch | context | draft ms | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in spec:
+            print(f"| {r['batch']} | {r['context']} | {r['draft_ms']:.3f} | {r['spec_dcp1_ms']:.3f} | "
+                  f"{r['spec_dcpn_ms']:.3f} | {r['spec_ratio']:.3f} | {r['spec_ideal']:.3f} | "
+                  f"{r['spec_off_ideal']:+.1%} | {'met' if abs(r['spec_off_ideal']) <= 0.05 else 'missed'} |")
+
+
+def _times(d: dict | None) -> dict | None:
+    """JSON turns the context keys into strings; back to ints (``refused`` stays)."""
+    if d is None:
+        return None
+    return {k if k == "refused" else int(k): v for k, v in d.items()}
+
+
+def combine(summaries: list[dict]) -> list[dict]:
+    """Rows from the measured points of one or more runs (the DCP=N arm from one run, the
+    one-GPU arm from others), matched by (batch, T)."""
+    sizes = {s["dcp_size"] for s in summaries if s["dcp_size"] > 1}
+    if len(sizes) != 1:
+        raise SystemExit(f"expected exactly one DCP size > 1 among the runs, found {sorted(sizes) or 'none'}")
+    (n,) = sizes
+    merged: dict[tuple[int, int], dict] = {}
+    for s in summaries:
+        for p in s["points"]:
+            entry = merged.setdefault((p["batch"], p["tokens"]), dict(contexts=p["contexts"]))
+            for arm in ("sharded", "single", "draft"):
+                if p.get(arm) is not None:
+                    entry[arm] = _times(p[arm])
+    rows = []
+    for (batch, tokens), e in sorted(merged.items(), key=lambda item: (item[0][1], -item[0][0])):
+        if "sharded" in e and "single" in e:
+            rows += rows_for(n, batch, tokens, e["contexts"], e["sharded"], e["single"], e.get("draft"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes on CPU with gloo")
@@ -227,10 +279,24 @@ def main() -> None:
     parser.add_argument("--edge", default="8:131072",
                         help="batch:context past one GPU's capacity (DCP=1 refused by the plan); '' to skip")
     parser.add_argument("--arms", default="dcp,one", help="which arms to run: dcp (DCP=N), one (one GPU), or both")
+    parser.add_argument("--share", default="0/1",
+                        help="I/N: measure only every N-th point from the I-th (one-GPU runs side by side on N GPUs)")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="no measuring: print the tables from these runs' JSON (a --arms dcp run and --arms one runs)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     args = parse_with_watchdog(parser)
+    if args.combine:
+        summaries = []
+        for path in args.combine:
+            with open(path) as f:
+                summaries.append(json.load(f))
+        rows = combine(summaries)
+        print_tables(rows, next(s["dcp_size"] for s in summaries if s["dcp_size"] > 1), summaries[0]["reps"],
+                     args.verify_k)
+        report(dict(combined=args.combine, runs=summaries, rows=rows), args.out)
+        return
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.small:
         contexts = [48, 96]
@@ -243,7 +309,7 @@ def main() -> None:
     group = dcp.init_group(device)
     single_group = dcp.DCPGroup(1, 0, device, None)
     n = group.size
-    points = [(int(b), 1, contexts) for b in args.batches.split(",")]
+    points = [(int(b), 1, contexts) for b in args.batches.split(",") if b]
     points += [(int(b), args.verify_k + 1, contexts) for b in args.verify_batches.split(",") if b]
     if args.edge and not args.small:
         batch, context = (int(x) for x in args.edge.split(":"))
@@ -251,44 +317,32 @@ def main() -> None:
     arms = set(args.arms.split(","))
     if not arms <= {"dcp", "one"} or not arms:
         raise SystemExit(f"--arms takes dcp, one or dcp,one; got {args.arms!r}")
-    rows = []
-    for batch, tokens, point_contexts in points:
-        sharded = single = {}
+    share, shares = (int(x) for x in args.share.split("/"))
+    if not 0 <= share < shares:
+        raise SystemExit(f"--share takes I/N with 0 <= I < N; got {args.share!r}")
+    measured = []
+    for index, (batch, tokens, point_contexts) in enumerate(points):
+        if index % shares != share:
+            continue
+        entry = dict(batch=batch, tokens=tokens, contexts=point_contexts)
         if "dcp" in arms:
-            sharded = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
-        draft = None
+            entry["sharded"] = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
         if group.rank == 0 and "one" in arms:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
-            single = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps, args.seed)
-            if tokens > 1 and "refused" not in single:
-                draft = measure_draft(cfg, device, batch, tokens, point_contexts, args.reps, args.seed)
-        if group.rank == 0 and arms == {"dcp", "one"}:
-            rows += rows_for(n, batch, tokens, point_contexts, sharded, single, draft)
+            entry["single"] = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps,
+                                            args.seed)
+            if tokens > 1 and "refused" not in entry["single"]:
+                entry["draft"] = measure_draft(cfg, device, batch, tokens, point_contexts, args.reps, args.seed)
+        measured.append(entry)
         if n > 1:
             dist.barrier(group.process_group)
     if group.rank != 0:
         leave()
-    print(f"\n## decode step, DCP={n} against DCP=1 (same kernels), median of {args.reps} graph replays")
-    print("| batch | T | context | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["dcp1_ms"] is None:
-            print(f"| {r['batch']} | {r['tokens']} | {r['context']} | refused | {r['dcpn_ms']:.3f} | - | - | - | "
-                  f"per user {r['tokens_per_s_per_user']:.1f} tok/s, per GPU {r['tokens_per_s_per_gpu']:.1f} tok/s |")
-            continue
-        print(f"| {r['batch']} | {r['tokens']} | {r['context']} | {r['dcp1_ms']:.3f} | {r['dcpn_ms']:.3f} | "
-              f"{r['ratio']:.3f} | {r['ideal']:.3f} | {r['off_ideal']:+.1%} | {'met' if abs(r['off_ideal']) <= 0.05 else 'missed'} |")
-    spec = [r for r in rows if "spec_ratio" in r]
-    if spec:
-        print(f"\n## speculative step (EAGLE3 chain k={args.verify_k}): verify + draft extend + {args.verify_k - 1} "
-              f"draft steps; the draft is whole, the same in both arms")
-        print("| batch | context | draft ms | DCP=1 ms | DCP=N ms | ratio | ideal | ratio / ideal - 1 | within 5% |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in spec:
-            print(f"| {r['batch']} | {r['context']} | {r['draft_ms']:.3f} | {r['spec_dcp1_ms']:.3f} | "
-                  f"{r['spec_dcpn_ms']:.3f} | {r['spec_ratio']:.3f} | {r['spec_ideal']:.3f} | "
-                  f"{r['spec_off_ideal']:+.1%} | {'met' if abs(r['spec_off_ideal']) <= 0.05 else 'missed'} |")
-    summary = dict(dcp_size=n, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   torch=torch.__version__, reps=args.reps, rows=rows)
+    summary = dict(dcp_size=n if "dcp" in arms else 1,
+                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   torch=torch.__version__, reps=args.reps, points=measured)
+    if arms == {"dcp", "one"} and n > 1:
+        summary["rows"] = combine([summary])
+        print_tables(summary["rows"], n, args.reps, args.verify_k)
     report(summary, args.out)
     leave()
 

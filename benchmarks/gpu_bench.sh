@@ -3,6 +3,8 @@
 # Usage on the device machine, from the repository root:
 #   bash benchmarks/gpu_bench.sh merge graphs      # per-layer merge; captured speculative loop
 #   bash benchmarks/gpu_bench.sh e2e               # 8B-shaped decode step, DCP=2 vs DCP=1
+#     (the DCP=N arm over all GPUs first, then the one-GPU arm's points spread over the
+#      GPUs, one process per GPU side by side, so the 32-layer compiles overlap)
 #   NPROC=4 bash benchmarks/gpu_bench.sh gate merge  # any group size: the speculative gate, the merge sweep
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
@@ -26,16 +28,32 @@ phase() {  # name seconds script args...
   echo "$name exit: $? $(date -u +%H:%M:%S)"
 }
 
+one_gpu_arms() {  # seconds: bench_e2e's one-GPU arm, point i on GPU i mod NPROC, then the combined tables
+  local seconds=$1 i
+  echo "== e2e one-GPU arm on $NPROC GPUs (limit ${seconds}s) $(date -u +%H:%M:%S)"
+  for ((i = 0; i < NPROC; i++)); do
+    CUDA_VISIBLE_DEVICES=$i timeout -k 10 "$seconds" python3 benchmarks/bench_e2e.py --arms one --share "$i/$NPROC" \
+      --out "$OUT/e2e_one$i.json" --watchdog $((seconds - 15)) ${E2E_ARGS:-} > "$OUT/e2e_one$i.log" 2>&1 &
+  done
+  wait
+  echo "e2e one-GPU arm done $(date -u +%H:%M:%S)"
+  for ((i = 0; i < NPROC; i++)); do cat "$OUT/e2e_one$i.log" >> "$OUT/e2e.log"; rm -f "$OUT/e2e_one$i.log"; done
+  # the combined JSON keeps every run's points; $OUT returns at most 8 files
+  python3 benchmarks/bench_e2e.py --combine "$OUT/e2e_dcp.json" "$OUT"/e2e_one*.json --out "$OUT/e2e.json" \
+    ${E2E_ARGS:-} >> "$OUT/e2e.log" 2>&1 && rm -f "$OUT/e2e_dcp.json" "$OUT"/e2e_one*.json
+}
+
 for what in "$@"; do
   case $what in
     merge)  phase merge "${MERGE_SECONDS:-240}" benchmarks/bench_merge.py --out "$OUT/merge.json" ;;
     graphs) phase graphs "${GRAPHS_SECONDS:-300}" benchmarks/gpu_cuda_graphs.py --json "$OUT/graphs.json" ;;
-    e2e)    phase e2e "${E2E_SECONDS:-560}" benchmarks/bench_e2e.py --out "$OUT/e2e.json" ${E2E_ARGS:-} ;;
+    e2e)    phase e2e "${E2E_SECONDS:-300}" benchmarks/bench_e2e.py --arms dcp --out "$OUT/e2e_dcp.json" ${E2E_ARGS:-}
+            one_gpu_arms "${E2E_ONE_SECONDS:-240}" ;;
     gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ;;
     *) echo "unknown phase $what (merge, graphs, e2e, gate)"; exit 2 ;;
   esac
 done
 for what in "$@"; do
   echo "== $what: last lines"
-  grep -v -i warn "$OUT/$what.log" | tail -n 25
+  grep -v -i -e warn -e "^{" "$OUT/$what.log" | tail -n 25
 done
