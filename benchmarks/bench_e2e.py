@@ -11,7 +11,9 @@ the log), so a run cut short keeps what it measured.
 
 Like for like: both arms run the same kernels.  The DCP=N arm is ``dcp.backend(group)``
 over N ranks; the DCP=1 arm is ``dcp.backend(group_of_one, cascade=True)`` on rank 0
-(the same prefix kernel, window and merge, no collective).  One graph per (batch, T)
+(the same prefix kernel, window and merge, no collective); both arms and the draft
+compile under Inductor's deterministic mode, which DCP groups need (``bench_deterministic.py``
+measures what it costs).  One graph per (batch, T)
 serves every context, because the context is only the positions' value: the cache is
 filled with random K/V and each sequence decodes at position ``context``.
 
@@ -25,6 +27,7 @@ target: measured within 5% of ideal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -68,9 +71,14 @@ def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
     return model
 
 
-def replay_timer(call, positions, group, device, reps: int):
+def replay_timer(call, positions, group, device, reps: int, deterministic: bool | None = True):
     """A function context -> median seconds of ``call()`` with ``positions`` set to
-    ``context + arange(T)`` on every row: CUDA-graph replays timed with events on GPU."""
+    ``context + arange(T)`` on every row: CUDA-graph replays timed with events on GPU.
+
+    The first call compiles.  ``deterministic`` sets Inductor's deterministic mode for
+    that compile (``None``: leave the config alone).  It is on by default so that the
+    one-GPU arm and the draft compile the same kernels as a DCP group, which always
+    compiles under it (``backend.rank_identical_kernels``)."""
     batch, tokens = positions.shape
     step = torch.arange(tokens, device=device)
 
@@ -78,9 +86,13 @@ def replay_timer(call, positions, group, device, reps: int):
         with torch.no_grad():
             return call()
 
+    import torch._inductor.config as inductor_config
+
+    mode = contextlib.nullcontext() if deterministic is None else inductor_config.patch(deterministic=deterministic)
+    with mode:
+        run()
     if device.type == "cuda":
-        for _ in range(2):
-            run()
+        run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -114,13 +126,13 @@ def lowering_for(device) -> str:
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
-def step_timer(model, group, device, batch: int, tokens: int, reps: int):
+def step_timer(model, group, device, batch: int, tokens: int, reps: int, deterministic: bool | None = True):
     """A function context -> median seconds of one target step of ``tokens`` new tokens per sequence."""
     backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False, lowering=lowering_for(device))
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     token_ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), device=device)
     positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-    return replay_timer(lambda: compiled(token_ids, positions), positions, group, device, reps)
+    return replay_timer(lambda: compiled(token_ids, positions), positions, group, device, reps, deterministic)
 
 
 def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, reps: int, seed: int) -> dict:

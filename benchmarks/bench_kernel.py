@@ -5,21 +5,24 @@ attention and the HBM copy ceiling, over local context x batch.
     python3 benchmarks/bench_kernel.py --smoke --out /tmp/kernel.json  # CPU, Triton interpreter
 
 Shapes: Hq=32, Hkv=8, D=128, bf16, T=1 (decode), plus T=4 (verify) at two points;
-every sequence uses its whole local context (kv_len = S).  Arms:
+every sequence uses its whole local context (kv_len = S), and ``--fill`` points hold
+shorter sequences in a larger cache (the slice count comes from the capacity, each
+sequence's length is cut into the slices on the device).  Arms:
 
 - ``ours``: ``torch.ops.dcp.prefix_attention`` on CUDA tensors (the Triton kernel, out
   fp32 and lse);
 - ``sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)``, no lse;
 - ``flex``: ``torch.compile(flex_attention)`` with the lse and a kv_len block mask;
 - ``copy``: ``dst.copy_(src)`` of a tensor of the KV size, at most 1 GiB (timed in a
-  graph and eagerly; the faster counts, see ``copy_arm``).
+  graph and eagerly; the faster counts).
 
 Bandwidth conventions, printed with the results: an attention arm moves the bytes of K
 and V it reads, ``B * Hkv * S * D * 2 (K and V) * 2 (bf16)``; the copy moves the bytes it
 reads plus the bytes it writes (the usual copy-bandwidth convention).  ``% copy`` is the
 attention arm's TB/s over the copy's.
 
-Each timing is the median over ``--reps`` replays of a CUDA graph (CUDA events; eager
+Each timing is the median over ``--rounds`` interleaved rounds (every arm once per
+round) of the median over ``--reps`` replays of a CUDA graph (CUDA events; eager
 launches if capture fails, as the ``method`` field says).  Where one call reads less
 than 512 MiB, the graph calls the arm on several copies of K/V in turn, so every call
 reads from HBM rather than from the 60 MB L2.  A failing arm prints its error and the
@@ -45,9 +48,20 @@ VERIFY_POINTS = ((8, 8192), (8, 65536))  # (batch, context) also run with T=4
 MAX_KV_BYTES = 60e9
 COLD_BYTES = 512 * 2**20  # bytes one timed graph reads at least: ~8x the H200's L2
 COPY_CAP_BYTES = 2**30
-SMOKE = dict(contexts=(200, 333), batches=(1, 2), verify=((2, 333),), hq=8, hkv=2, d=64, reps=3, warmup=1)
+SMOKE = dict(contexts=(200, 333), batches=(1, 2), verify=((2, 333),), fill=((2, 333, 70),), hq=8, hkv=2, d=64, reps=3,
+             warmup=1)
 # Correctness: the kernel rounds probabilities to bf16 before the PV product.
 CHECK_TOLERANCE = dict(out=3e-2, lse=1e-3)
+
+
+def parse_fill(text: str) -> tuple[int, int, int]:
+    try:
+        batch, capacity, live = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--fill takes B:CAPACITY:KV_LEN, e.g. 8:65536:8192; got {text!r}") from None
+    if not 0 < live <= capacity or batch < 1:
+        raise SystemExit(f"--fill {text}: need B >= 1 and 0 < KV_LEN <= CAPACITY")
+    return batch, capacity, live
 
 
 def parse_args():
@@ -60,6 +74,11 @@ def parse_args():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=("ours", "sdpa", "flex", "copy"))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of every arm per point; the median of the rounds counts")
+    parser.add_argument("--fill", nargs="*", default=["8:65536:8192", "8:65536:32768", "1:65536:8192"],
+                        metavar="B:CAPACITY:KV_LEN",
+                        help="extra points where every sequence holds KV_LEN tokens of a CAPACITY-slot cache")
     parser.add_argument("--flex-budget-s", type=float, default=150.0,
                         help="skip the flex arm (its compiles) once the run is this old")
     return parser.parse_args()
@@ -88,32 +107,36 @@ class Timer:
     def __init__(self, device: torch.device, reps: int, warmup: int):
         self.device, self.reps, self.warmup = device, reps, warmup
 
-    def __call__(self, calls, graph: bool = True) -> tuple[float, str]:
+    def prepare(self, calls, graph: bool = True) -> tuple:
+        """``(run, method)``: one launch of every call, as a captured CUDA graph where it can."""
         for call in calls:  # compiles, autotunes, allocates
             call()
         if self.device.type != "cuda":
-            return self._median(lambda: [c() for c in calls], len(calls), self._cpu_seconds), "perf_counter"
+            return (lambda: [c() for c in calls]), "perf_counter"
         torch.cuda.synchronize()
         if not graph:
-            return self._median(lambda: [c() for c in calls], len(calls), self._cuda_seconds), "eager"
+            return (lambda: [c() for c in calls]), "eager"
         try:
-            graph = torch.cuda.CUDAGraph()
+            captured = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for call in calls:
                     call()
             torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(captured):
                 for call in calls:
                     call()
-            run, method = graph.replay, "cuda-graph"
+            for _ in range(self.warmup):
+                captured.replay()
+            return captured.replay, "cuda-graph"
         except Exception as exc:  # noqa: BLE001 - fall back to eager launches, say so
             torch.cuda.synchronize()
-            run, method = (lambda: [c() for c in calls]), f"eager ({type(exc).__name__})"
-        return self._median(run, len(calls), self._cuda_seconds), method
+            return (lambda: [c() for c in calls]), f"eager ({type(exc).__name__})"
 
-    def _median(self, run, calls: int, seconds) -> float:
+    def measure(self, run, calls: int) -> float:
+        """Median seconds per call over ``reps`` timed runs of ``run`` (after ``warmup``)."""
+        seconds = self._cpu_seconds if self.device.type != "cuda" else self._cuda_seconds
         for _ in range(self.warmup):
             run()
         return statistics.median(seconds(run) for _ in range(self.reps)) / calls
@@ -197,10 +220,16 @@ def flex_arm(device):
     return make
 
 
-def run_point(batch, context, t, cfg, device, timer, started, copy_cache):
+def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None):
+    """Every arm at one point, timed in ``--rounds`` interleaved rounds (ours, SDPA, flex,
+    copy, ours, ...), so drift in the GPU's clocks over the run hits every arm alike.
+
+    ``kv_len_value`` below ``context`` sets every sequence's length in a cache of
+    ``context`` slots (ours reads the live slots only; SDPA gets the live slices)."""
     hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
-    kv_bytes = batch * hkv * context * d * 2 * 2
-    point = dict(batch=batch, context=context, t=t, kv_bytes=kv_bytes, arms={})
+    live = context if kv_len_value is None else kv_len_value
+    kv_bytes = batch * hkv * live * d * 2 * 2
+    point = dict(batch=batch, context=live, capacity=context, t=t, kv_bytes=kv_bytes, arms={})
     row_blocks = triton.cdiv(hq // hkv * t, triton_prefix.MAX_ROWS)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
         triton_prefix.DEFAULT_SM_COUNT
@@ -212,67 +241,72 @@ def run_point(batch, context, t, cfg, device, timer, started, copy_cache):
     copies = [(torch.randn(batch, hkv, context, d, device=device, dtype=torch.bfloat16, generator=gen),
                torch.randn(batch, hkv, context, d, device=device, dtype=torch.bfloat16, generator=gen))
               for _ in range(n_copies)]
-    kv_len = torch.full((batch,), context, device=device, dtype=torch.int64)
+    kv_len = torch.full((batch,), live, device=device, dtype=torch.int64)
     scale = d**-0.5
     ours = ours_fn(device)
     arms = {
         "ours": lambda: [lambda k=k, v=v: ours(q, k, v, kv_len, scale) for k, v in copies],
-        "sdpa": lambda: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-                         for k, v in copies],
+        "sdpa": lambda: [lambda k=k[:, :, :live], v=v[:, :, :live]:
+                         F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in copies],
         "flex": lambda: flex_arm(device)(q, copies, kv_len, scale),
     }
+    prepared = {}  # name -> (run, calls per run, method)
     for name in ARGS.arms:
         if name == "copy":
             continue
-        if name == "flex" and time.monotonic() - started > ARGS.flex_budget_s:
-            point["arms"][name] = dict(error=f"skipped: run older than --flex-budget-s={ARGS.flex_budget_s}")
+        if name == "flex" and (time.monotonic() - started > ARGS.flex_budget_s or live != context):
+            why = "a partly filled cache" if live != context else f"run older than --flex-budget-s={ARGS.flex_budget_s}"
+            point["arms"][name] = dict(error=f"skipped: {why}")
             continue
         try:
             if name == "flex" and device.type == "cuda":
                 torch._dynamo.reset()  # a fresh compile per shape, never the recompile limit's eager fallback
-            seconds, method = timer(arms[name]())
-            point["arms"][name] = dict(ms=seconds * 1e3, tbps=kv_bytes / seconds / 1e12, method=method)
+            calls = arms[name]()
+            run, method = timer.prepare(calls)
+            prepared[name] = (run, len(calls), method)
         except Exception as exc:  # noqa: BLE001 - one failing arm must not stop the sweep
             point["arms"][name] = dict(error=short_error(exc))
-            print(f"  {name} failed at B={batch} context={context} T={t}: {short_error(exc)}", flush=True)
+            print(f"  {name} failed at B={batch} context={live} T={t}: {short_error(exc)}", flush=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-    del copies
+    copy_bytes = min(kv_bytes, COPY_CAP_BYTES)
     if "copy" in ARGS.arms:
-        point["arms"]["copy"] = copy_arm(min(kv_bytes, COPY_CAP_BYTES), device, timer, copy_cache)
+        # The copy ceiling: a graph and eager launches, the faster counts.  On the H200 a
+        # graph of one memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s where eager copies and
+        # graphs of several smaller copies ran at ~4.2 TB/s.
+        n_pairs = max(1, math.ceil(COLD_BYTES / copy_bytes)) if device.type == "cuda" else 1
+        pairs = [(torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_(),
+                  torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_pairs)]
+        copy_calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
+        for graph in (True, False):
+            run, method = timer.prepare(copy_calls, graph=graph)
+            prepared[f"copy/{method}"] = (run, len(copy_calls), method)
+    rounds = {name: [] for name in prepared}
+    for _ in range(ARGS.rounds):
+        for name, (run, calls, _method) in prepared.items():
+            rounds[name].append(timer.measure(run, calls))
+    for name, (_run, _calls, method) in prepared.items():
+        seconds = statistics.median(rounds[name])
+        moved = 2 * copy_bytes if name.startswith("copy/") else kv_bytes
+        point["arms"][name] = dict(ms=seconds * 1e3, tbps=moved / seconds / 1e12, method=method,
+                                   round_ms=[r * 1e3 for r in rounds[name]])
+    copy_runs = {n: point["arms"].pop(n) for n in list(point["arms"]) if n.startswith("copy/")}
+    if copy_runs:
+        best = max(copy_runs.values(), key=lambda arm: arm["tbps"])
+        point["arms"]["copy"] = dict(best, copied_bytes=copy_bytes,
+                                     timings={n.split("/", 1)[1]: r for n, r in copy_runs.items()})
     copy_tbps = point["arms"].get("copy", {}).get("tbps")
-    for arm in point["arms"].values():
-        if copy_tbps and "tbps" in arm and arm is not point["arms"]["copy"]:
+    for name, arm in point["arms"].items():
+        if copy_tbps and "tbps" in arm and name != "copy":
             arm["pct_copy"] = 100 * arm["tbps"] / copy_tbps
+    del copies, prepared
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return point
 
 
-def copy_arm(nbytes, device, timer, cache):
-    """Copy bandwidth for a tensor of ``nbytes``, counting bytes read plus written.
-
-    Timed both inside a CUDA graph and from eager launches, and the faster is the
-    ceiling: on the H200, a graph of one memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s
-    where eager copies and graphs of several smaller copies ran at ~4.2 TB/s."""
-    if nbytes in cache:
-        return cache[nbytes]
-    n_copies = max(1, math.ceil(COLD_BYTES / nbytes)) if device.type == "cuda" else 1
-    result = dict(copied_bytes=nbytes, timings={})
-    try:
-        pairs = [(torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_(),
-                  torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_copies)]
-        calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
-        for graph in (True, False):
-            seconds, method = timer(calls, graph=graph)
-            result["timings"][method] = dict(ms=seconds * 1e3, tbps=2 * nbytes / seconds / 1e12)
-        del pairs, calls
-        method, best = max(result["timings"].items(), key=lambda item: item[1]["tbps"])
-        result.update(best, method=method)
-    except Exception as exc:  # noqa: BLE001
-        result["error"] = short_error(exc)
-    cache[nbytes] = result
-    return result
+def kilo(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def table(points) -> str:
@@ -288,7 +322,9 @@ def table(points) -> str:
     for p in points:
         a = p["arms"]
         o, s, f, c = (a.get(n, {}) for n in ("ours", "sdpa", "flex", "copy"))
-        context = f"{p['context'] // 1024}K" if p["context"] % 1024 == 0 else str(p["context"])
+        context = kilo(p["context"])
+        if p.get("capacity", p["context"]) != p["context"]:
+            context += f" of {kilo(p['capacity'])}"
         lines.append(
             f"| {p['batch']} | {context} | {p['t']} | {p['kv_bytes'] / 1e9:.2f} | {p['num_splits']} "
             f"| {cell(o, 'ms', '{:.3f}')} | {cell(o, 'tbps', '{:.2f}')} | {cell(o, 'pct_copy', '{:.0f}%')} "
@@ -303,7 +339,7 @@ def main() -> int:
     if ARGS.smoke:
         device = torch.device("cpu")
         cfg = dict(hq=SMOKE["hq"], hkv=SMOKE["hkv"], d=SMOKE["d"])
-        contexts, batches, verify = SMOKE["contexts"], SMOKE["batches"], SMOKE["verify"]
+        contexts, batches, verify, fill = SMOKE["contexts"], SMOKE["batches"], SMOKE["verify"], SMOKE["fill"]
         timer = Timer(device, SMOKE["reps"], SMOKE["warmup"])
     else:
         if not torch.cuda.is_available():
@@ -312,6 +348,7 @@ def main() -> int:
         device = torch.device("cuda")
         cfg = dict(hq=32, hkv=8, d=128)
         contexts, batches, verify = ARGS.contexts, ARGS.batches, VERIFY_POINTS
+        fill = [parse_fill(f) for f in ARGS.fill]
         timer = Timer(device, ARGS.reps, ARGS.warmup)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     env = dict(
@@ -333,18 +370,19 @@ def main() -> int:
         Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=False), indent=1))
         return 1
 
-    plan = [(b, s, 1) for s in contexts for b in batches] + [(b, s, 4) for b, s in verify]
-    points, copy_cache = [], {}
-    for batch, context, t in plan:
+    plan = [(b, s, 1, None) for s in contexts for b in batches] + [(b, s, 4, None) for b, s in verify]
+    plan += [(b, s, 1, live) for b, s, live in fill]
+    points = []
+    for batch, context, t, live in plan:
         kv_bytes = batch * cfg["hkv"] * context * cfg["d"] * 4
         if kv_bytes > MAX_KV_BYTES:
             print(f"skip B={batch} context={context}: {kv_bytes / 1e9:.1f} GB of KV > {MAX_KV_BYTES / 1e9:.0f} GB")
             continue
-        point = run_point(batch, context, t, cfg, device, timer, started, copy_cache)
+        point = run_point(batch, context, t, cfg, device, timer, started, live)
         points.append(point)
         summary = ", ".join(f"{n} {a['tbps']:.2f} TB/s" if "tbps" in a else f"{n} {a['error'][:60]}"
                             for n, a in point["arms"].items())
-        print(f"B={batch} context={context} T={t} splits={point['num_splits']}: {summary}  "
+        print(f"B={batch} context={point['context']} capacity={context} T={t} splits={point['num_splits']}: {summary}  "
               f"[{time.monotonic() - started:.0f}s]", flush=True)
     print()
     print("Attention TB/s = bytes of K and V read / time; copy TB/s = (bytes read + written) / time; "

@@ -6,6 +6,8 @@
 #     (the DCP=N arm over all GPUs first, then the one-GPU arm's points spread over the
 #      GPUs, one process per GPU side by side, so the 32-layer compiles overlap)
 #   NPROC=4 bash benchmarks/gpu_bench.sh gate merge  # any group size: the speculative gate, the merge sweep
+#   bash benchmarks/gpu_bench.sh kernel deterministic demo  # one GPU: kernel sweep, deterministic mode's cost,
+#                                                          # the demo on CUDA (--dcp $NPROC)
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -25,6 +27,13 @@ phase() {  # name seconds script args...
   echo "== $name (limit ${seconds}s) $(date -u +%H:%M:%S)"
   timeout -k 10 "$seconds" python3 -m torch.distributed.run --nproc-per-node "$NPROC" "$@" \
     --watchdog $((seconds - 15)) > "$OUT/$name.log" 2>&1
+  echo "$name exit: $? $(date -u +%H:%M:%S)"
+}
+
+single() {  # name seconds command...: one process, no torchrun
+  local name=$1 seconds=$2; shift 2
+  echo "== $name (limit ${seconds}s) $(date -u +%H:%M:%S)"
+  timeout -k 10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
   echo "$name exit: $? $(date -u +%H:%M:%S)"
 }
 
@@ -49,8 +58,12 @@ for what in "$@"; do
     graphs) phase graphs "${GRAPHS_SECONDS:-300}" benchmarks/gpu_cuda_graphs.py --json "$OUT/graphs.json" ;;
     e2e)    phase e2e "${E2E_SECONDS:-300}" benchmarks/bench_e2e.py --arms dcp --out "$OUT/e2e_dcp.json" ${E2E_ARGS:-}
             one_gpu_arms "${E2E_ONE_SECONDS:-240}" ;;
+    kernel) single kernel "${KERNEL_SECONDS:-240}" python3 benchmarks/bench_kernel.py --out "$OUT/kernel.json" ;;
+    deterministic) single deterministic "${DETERMINISTIC_SECONDS:-200}" python3 benchmarks/bench_deterministic.py \
+              --out "$OUT/deterministic.json" --watchdog $((${DETERMINISTIC_SECONDS:-200} - 15)) ;;
+    demo)   single demo "${DEMO_SECONDS:-150}" python3 -m dcp_compile.cli demo --device cuda --dcp "$NPROC" ;;
     gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ;;
-    *) echo "unknown phase $what (merge, graphs, e2e, gate)"; exit 2 ;;
+    *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo)"; exit 2 ;;
   esac
 done
 for what in "$@"; do
