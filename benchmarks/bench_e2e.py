@@ -157,8 +157,9 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
     with torch.no_grad():
         draft.attention.k_cache.normal_()
         draft.attention.v_cache.normal_()
-    compiled = torch.compile(draft, backend=dcp.backend(single, "draft", lowering=lowering_for(device)), fullgraph=True,
-                             dynamic=False)
+    # No host position check: it reads the positions on the host, which a CUDA graph capture forbids.
+    backend = dcp.backend(single, "draft", check_positions=False, lowering=lowering_for(device))
+    compiled = torch.compile(draft, backend=backend, fullgraph=True, dynamic=False)
     timers = {}
     for t, features in ((tokens, width), (1, cfg.dim)):
         ids, positions, feats = inputs(t, features)
