@@ -218,9 +218,10 @@ def rows_for(n, batch, tokens, contexts, sharded, single, draft=None) -> list[di
         ideal = (W + A / n + C) / (W + A)
         row = dict(batch=batch, tokens=tokens, context=context, dcp1_ms=one * 1e3, dcpn_ms=many * 1e3,
                    W_ms=W * 1e3, A_ms=A * 1e3, C_ms=C * 1e3, ratio=many / one, ideal=ideal,
-                   off_ideal=many / one / ideal - 1,
-                   tokens_per_s_per_user=dict(dcp1=tokens / one, dcpn=tokens / many),
-                   tokens_per_s_per_gpu=dict(dcp1=batch * tokens / one, dcpn=batch * tokens / many / n))
+                   off_ideal=many / one / ideal - 1)
+        if tokens == 1:  # a verify step's tokens per second would depend on how many the target accepts
+            row.update(tokens_per_s_per_user=dict(dcp1=1 / one, dcpn=1 / many),
+                       tokens_per_s_per_gpu=dict(dcp1=batch / one, dcpn=batch / many / n))
         if draft:  # a whole speculative step: verify plus the draft's extend and chain
             D = draft[context]
             spec_ideal = (W + A / n + C + D) / (W + A + D)
