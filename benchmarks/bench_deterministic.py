@@ -24,8 +24,7 @@ import sys
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.models import LlamaConfig
-from bench_e2e import build, step_timer
+from bench_e2e import build, step_timer, target_config
 from _report import leave, parse_with_watchdog, report
 
 
@@ -40,15 +39,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     args = parse_with_watchdog(parser)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    if args.small:
-        contexts = [0, 48]
-        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
-        device = torch.device("cpu")
-    else:
-        cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8,
-                          intermediate_size=14336, rope_theta=500000.0)
-        device = torch.device("cuda")
+    contexts = [0, 48] if args.small else [int(c) for c in args.contexts.split(",")]
+    cfg, device = target_config(args.small, args.layers)
     cfg = dataclasses.replace(cfg, max_batch=args.batch, max_seq_len=max(contexts) + 64)
     group = dcp.DCPGroup(1, 0, device, None)
     model = build(cfg, group, device, args.seed)

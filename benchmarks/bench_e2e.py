@@ -43,6 +43,16 @@ from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from _report import leave, parse_with_watchdog, report
 
 
+def target_config(small: bool, layers: int = 32) -> tuple[LlamaConfig, torch.device]:
+    """The benchmarks' target and its device: Llama-3-8B-shaped with ``layers`` layers on
+    this rank's GPU, or (``small``) a tiny model on CPU that checks the scripts."""
+    if small:
+        return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128), \
+            torch.device("cpu")
+    cfg = dataclasses.replace(dcp.memory.llama3_8b_shape(aux_layers=()), n_layers=layers)
+    return cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -311,15 +321,8 @@ def main() -> None:
                      args.verify_k)
         report(dict(combined=args.combine, runs=summaries, rows=rows), args.out)
         return
-    contexts = [int(c) for c in args.contexts.split(",")]
-    if args.small:
-        contexts = [48, 96]
-        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
-        device = torch.device("cpu")
-    else:
-        cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                          rope_theta=500000.0)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    contexts = [48, 96] if args.small else [int(c) for c in args.contexts.split(",")]
+    cfg, device = target_config(args.small)
     group = dcp.init_group(device)
     single_group = dcp.DCPGroup(1, 0, device, None)
     n = group.size
