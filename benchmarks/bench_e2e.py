@@ -69,7 +69,7 @@ def randomize(model: torch.nn.Module) -> torch.nn.Module:
 
 def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
     torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype_for(device)
     # Caches on meta: prepare allocates only this rank's shard, so a DCP=2 point past the
     # single-GPU edge never holds the whole cache, even for a moment.
     model = randomize(Llama(cfg, dtype=dtype, device=device, cache_device="meta")).eval()
@@ -136,6 +136,10 @@ def lowering_for(device) -> str:
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
+def dtype_for(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def step_timer(model, group, device, batch: int, tokens: int, reps: int, deterministic: bool | None = True):
     """A function context -> median seconds of one target step of ``tokens`` new tokens per sequence."""
     backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False, lowering=lowering_for(device))
@@ -154,7 +158,7 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
     dcfg = DraftConfig(dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64), "eagle3",
                        draft_vocab_size=min(32768, cfg.vocab_size))
     torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype_for(device)
     draft = randomize(EagleDraft(dcfg, dtype=dtype, device=device, cache_device="meta")).eval()
     width = cfg.dim * dcfg.n_features
 
@@ -187,7 +191,8 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
 
 
 def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed) -> dict:
-    """Step times of one (batch, tokens) graph at every context; {} if the plan refuses it."""
+    """Step times of one (batch, tokens) graph at every context (and at 0), or
+    ``{"refused": why}`` if the memory plan refuses it."""
     pcfg = dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64)
     planner = dcp.MemoryPlanner(pcfg, dcp.device_budget(device) if device.type == "cuda" else 1 << 40,
                                 verify_tokens=tokens if tokens > 1 else 0)
@@ -272,9 +277,9 @@ def _times(d: dict | None) -> dict | None:
     return {k if k == "refused" else int(k): v for k, v in d.items()}
 
 
-def combine(summaries: list[dict]) -> list[dict]:
-    """Rows from the measured points of one or more runs (the DCP=N arm from one run, the
-    one-GPU arm from others), matched by (batch, T)."""
+def combine(summaries: list[dict]) -> tuple[int, list[dict]]:
+    """The DCP size and the rows from the measured points of one or more runs (the DCP=N
+    arm from one run, the one-GPU arm from others), matched by (batch, T)."""
     sizes = {s["dcp_size"] for s in summaries if s["dcp_size"] > 1}
     if len(sizes) != 1:
         raise SystemExit(f"expected exactly one DCP size > 1 among the runs, found {sorted(sizes) or 'none'}")
@@ -290,7 +295,7 @@ def combine(summaries: list[dict]) -> list[dict]:
     for (batch, tokens), e in sorted(merged.items(), key=lambda item: (item[0][1], -item[0][0])):
         if "sharded" in e and "single" in e:
             rows += rows_for(n, batch, tokens, e["contexts"], e["sharded"], e["single"], e.get("draft"))
-    return rows
+    return n, rows
 
 
 def main() -> None:
@@ -316,9 +321,8 @@ def main() -> None:
         for path in args.combine:
             with open(path) as f:
                 summaries.append(json.load(f))
-        rows = combine(summaries)
-        print_tables(rows, next(s["dcp_size"] for s in summaries if s["dcp_size"] > 1), summaries[0]["reps"],
-                     args.verify_k)
+        n, rows = combine(summaries)
+        print_tables(rows, n, summaries[0]["reps"], args.verify_k)
         report(dict(combined=args.combine, runs=summaries, rows=rows), args.out)
         return
     contexts = [48, 96] if args.small else [int(c) for c in args.contexts.split(",")]
@@ -358,7 +362,7 @@ def main() -> None:
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    torch=torch.__version__, reps=args.reps, points=measured)
     if arms == {"dcp", "one"} and n > 1:
-        summary["rows"] = combine([summary])
+        _, summary["rows"] = combine([summary])
         print_tables(summary["rows"], n, args.reps, args.verify_k)
     report(summary, args.out)
     leave()

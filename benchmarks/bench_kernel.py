@@ -108,7 +108,8 @@ class Timer:
         self.device, self.reps, self.warmup = device, reps, warmup
 
     def prepare(self, calls, graph: bool = True) -> tuple:
-        """``(run, method)``: one launch of every call, as a captured CUDA graph where it can."""
+        """``(run, method)``: one launch of every call, as a captured CUDA graph where it can
+        (``measure`` warms it up)."""
         for call in calls:  # compiles, autotunes, allocates
             call()
         if self.device.type != "cuda":
@@ -127,8 +128,6 @@ class Timer:
             with torch.cuda.graph(captured):
                 for call in calls:
                     call()
-            for _ in range(self.warmup):
-                captured.replay()
             return captured.replay, "cuda-graph"
         except Exception as exc:  # noqa: BLE001 - fall back to eager launches, say so
             torch.cuda.synchronize()

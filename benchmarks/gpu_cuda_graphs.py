@@ -44,7 +44,7 @@ def run(group, cuda_graphs: bool, comm: str) -> dict:
     target, draft = load_pair("tiny-code", max_batch=len(prompts), max_seq_len=max_seq_len, device=group.device,
                               dtype=torch.bfloat16)
     decoder = SpecDecoder(target, draft, group, k=K, max_batch=len(prompts), max_seq_len=max_seq_len,
-                          cuda_graphs=cuda_graphs, comm=comm, check_ranks=group.size > 1)
+                          cuda_graphs=cuda_graphs, comm=comm, check_ranks=True)
     decoder.generate(prompts, NEW)
     print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] first generation done", file=sys.stderr, flush=True)
     graphs_before = counters["stats"]["unique_graphs"]

@@ -34,7 +34,8 @@ def test_tables_combine_the_dcp_run_with_one_gpu_runs_by_batch_and_tokens():
     gpu0 = dict(dcp_size=1, reps=20, points=[dict(batch=1, tokens=1, contexts=[8192], single={"0": 5e-3, "8192": 5.5e-3})])
     gpu1 = dict(dcp_size=1, reps=20, points=[dict(batch=8, tokens=4, contexts=[8192],
                                                   single={"0": 5.5e-3, "8192": 7.5e-3}, draft={"8192": 4e-3})])
-    decode, verify = bench_e2e.combine([dcp_run, gpu0, gpu1])
+    n, (decode, verify) = bench_e2e.combine([dcp_run, gpu0, gpu1])
+    assert n == 2
     assert (decode["batch"], decode["tokens"], verify["batch"], verify["tokens"]) == (1, 1, 8, 4)
     assert decode["C_ms"] == pytest.approx(1.0) and decode["ratio"] == pytest.approx(6.2 / 5.5)
     assert verify["spec_ratio"] == pytest.approx((7.9 + 4) / (7.5 + 4))

@@ -209,11 +209,6 @@ def _check_free_memory(device: torch.device, pending: list, rank: int) -> None:
         )
 
 
-def _get_attr(model: nn.Module, qualname: str) -> torch.Tensor:
-    module_name, _, attr = qualname.rpartition(".")
-    return getattr(model.get_submodule(module_name), attr)
-
-
 def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """The columns of ``mask`` for this rank's slots; the trash column and slots past the
     end are fully masked."""
@@ -305,7 +300,7 @@ def prepare(
             f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
         )
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
-    records, pending, kv_bytes = [], [], 0
+    placed, pending, kv_bytes = [], [], 0  # placed: (module, attr, record) per cache
     for cache in plan.caches:
         tensor = inputs[cache.input_index]
         if id(tensor) not in owners:
@@ -328,14 +323,14 @@ def prepare(
             if sharded:
                 local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
             pending.append((module, attr, local_shape, tensor.dtype))
-        records.append(CacheRecord(
+        placed.append((module, attr, CacheRecord(
             qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens if sharded else 0
-        ))
+        )))
     _check_free_memory(home, pending, group.rank)
     for module, attr, shape, dtype in pending:
         _replace(module, attr, torch.zeros(shape, dtype=dtype, device=home))
-    for record in records:
-        tensor = _get_attr(model, record.name)
+    for module, attr, record in placed:
+        tensor = getattr(module, attr)
         register(tensor, record)
         kv_bytes += tensor.numel() * tensor.element_size()
 
@@ -366,4 +361,4 @@ def prepare(
             register_table(local, qualname)
             mask_names.append(qualname)
         model.register_forward_pre_hook(_refuse_eager_call)
-    return Prepared(role, tuple(records), tuple(mask_names), kv_bytes)
+    return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)
