@@ -5,7 +5,10 @@ The role and the group are bound when the backend is made, so a compiled graph i
 sharded (target) or whole (draft) for its whole life; nothing is switched at run time.
 
 - target, group of N > 1: find -> shard_kv_writes -> shard_attention -> check_target;
-- draft: find -> check_draft (no rewrite, no collective);
+- draft: find -> shard_attention on a group of one (the prefix + window cascade with
+  no collective, so attention costs the sequence's length, not the cache's capacity)
+  -> check_draft (writes untouched, no collective); a draft attention whose mask the
+  passes cannot prove causal is left as written, which is correct for a whole cache;
 - target, group of size 1: no rewrite at all, so the result is exactly what plain
   ``torch.compile`` of the unmodified model gives (the off arm).
 
@@ -128,7 +131,8 @@ class Backend:
             self._check_sharded_inputs(gm, plan, example_inputs)
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
         if self.role == "draft":
-            passes = draft_passes()
+            proven = plan.sites and records and all(site.mask.proven for site in plan.sites)
+            passes = draft_passes(records[0].layout if proven else None)
         elif self.group.size > 1:
             passes = target_passes(
                 records[0].layout, self.group.group_name, self._staging_first_slot(plan, records), self.comm

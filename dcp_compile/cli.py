@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
+
 DEMO_PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     'import os\n\n\ndef list_python_files(root):\n    """',
@@ -71,7 +73,8 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 1
     target, draft = load_pair(args.model, max_batch=len(prompts), max_seq_len=max_seq_len, device=device, dtype=dtype)
     decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=len(prompts), max_seq_len=max_seq_len,
-                              temperature=args.temperature, seed=args.seed, lowering=args.lowering)
+                              temperature=args.temperature, seed=args.seed, lowering=args.lowering,
+                              chunk_size=min(args.chunk_size, max_seq_len))
     close = _compile_progress(decoder, f"  {name}: compiling", talk)
     start = time.perf_counter()
     try:
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (rejection sampling)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed, shared by every rank")
     d.add_argument("--max-new-tokens", type=int, default=160)
+    d.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help=f"prompt tokens per prefill step (default {DEFAULT_CHUNK_SIZE}; capped at the cache)")
     d.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: three code prompts")
     d.add_argument("--model", default="tiny-code", help="shipped model name or a directory from `dcp-compile train`")
     d.add_argument(
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--dcp, --k and --max-new-tokens must be >= 1")
         if args.temperature < 0:
             parser.error(f"--temperature must be >= 0, got {args.temperature}")
+        if args.chunk_size < 1:
+            parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
         if args.prompt and any(not p for p in args.prompt):
             parser.error("--prompt must not be empty")
         args.lowering = args.lowering or ("inductor" if args.device == "cuda" else "aot_eager")

@@ -322,15 +322,26 @@ class DCPCausalLM(nn.Module):
 
         return hook
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_at: torch.Tensor | None = None):
+        """``logits_at [B, K]``: logits only at those indices of each row, ``[B, K, V]``
+        (a prefill chunk needs its last position's).  HF's ``logits_to_keep`` takes one
+        index list for every row, so the model computes the ``B * K`` requested rows for
+        each sequence and each keeps its own: ``B * K`` vocabulary rows per sequence
+        instead of ``T``."""
         slots = torch.arange(self.cache.kv_length, device=tokens.device)
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]: position-causal
+        keep = {} if logits_at is None else {"logits_to_keep": logits_at.flatten()}
         self.cache.row_positions = positions
         out = self.model(
-            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{self._cache_kwarg: self.cache}
+            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+            **{self._cache_kwarg: self.cache}, **keep,
         )
         self.cache.row_positions = None
         logits = out.logits.float()
+        if logits_at is not None:
+            B, K = logits_at.shape
+            rows = torch.arange(B, device=tokens.device)
+            logits = logits.view(B, B, K, -1)[rows, rows]
         if not self.cfg.aux_layers:
             return logits
         features = torch.cat([self._features[i] for i in self.cfg.aux_layers], dim=-1)

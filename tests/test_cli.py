@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from dcp_compile.cli import main
 from dcp_compile.runtime.launch import free_port
 
 
@@ -37,11 +38,13 @@ def test_demo_spawns_two_ranks_and_reports_parity():
         (("--k", "0"), "--dcp, --k and --max-new-tokens must be >= 1"),
         (("--temperature", "-1"), "--temperature must be >= 0"),
         (("--prompt", ""), "--prompt must not be empty"),
+        (("--chunk-size", "0"), "--chunk-size must be >= 1, got 0"),
     ],
 )
-def test_demo_rejects_bad_flags(flags, message):
-    proc = run_demo(*flags)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_demo_rejects_bad_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_demo_with_a_missing_model_directory_says_what_it_expected(tmp_path):

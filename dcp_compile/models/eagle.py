@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNorm, RopeTables
+from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNorm, RopeTables, take_rows
 
 
 def eagle3_aux_layers(n_layers: int) -> tuple[int, ...]:
@@ -104,10 +104,15 @@ class EagleDraft(RopeTables):
         h = h + self.feed_forward(self.ffn_norm(h))
         return self.head(self.norm(h)).float(), h
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor):
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, logits_at: torch.Tensor | None = None
+    ):
+        """``logits_at [B, K]``: logits and hidden states at those indices of each row only
+        (``[B, K, V]``, ``[B, K, H]``), as a prefill chunk or a draft-extend needs."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         hidden, attn_in = self._attention_input(tokens, features)
-        return self._finish(hidden + self.attention(attn_in, positions, cos, sin))
+        h = hidden + self.attention(attn_in, positions, cos, sin)
+        return self._finish(h if logits_at is None else take_rows(h, logits_at))
 
     def forward_unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test: ``steps`` chained draft steps over whole sequences, no cache.

@@ -201,7 +201,12 @@ class Block(nn.Module):
 
 class Llama(RopeTables):
     """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
-    ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set."""
+    ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set.
+
+    ``forward(..., logits_at [B, K])`` computes the logits only at those indices of each
+    row (``[B, K, vocab]``), as a prefill chunk needs only its last position's: the LM
+    head over a whole long prompt would cost ``T x vocab`` fp32.  The EAGLE features
+    still cover every position, since the draft's own prefill reads them all."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
         """``cache_device="meta"`` defers the KV caches: ``dcp.prepare`` then allocates only
@@ -217,7 +222,7 @@ class Llama(RopeTables):
         for layer in self.layers:
             layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_at: torch.Tensor | None = None):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         hidden = []
@@ -225,7 +230,7 @@ class Llama(RopeTables):
             if i in self.cfg.aux_layers:
                 hidden.append(x)
             x = layer(x, positions, cos, sin)
-        return self._head(x, hidden)
+        return self._head(x, hidden, logits_at)
 
     def forward_uncached(self, tokens: torch.Tensor):
         """The same outputs for whole sequences starting at position 0, with no KV cache
@@ -240,14 +245,19 @@ class Llama(RopeTables):
             x = layer.forward_uncached(x, cos, sin)
         return self._head(x, hidden)
 
-    def _head(self, x: torch.Tensor, hidden: list[torch.Tensor]):
+    def _head(self, x: torch.Tensor, hidden: list[torch.Tensor], logits_at: torch.Tensor | None = None):
         x = self.norm(x)
-        logits = self.output(x).float()
+        logits = self.output(x if logits_at is None else take_rows(x, logits_at)).float()
         if not self.cfg.aux_layers:
             return logits
         if self.cfg.n_layers in self.cfg.aux_layers:
             hidden.append(x)
         return logits, torch.cat(hidden, dim=-1)
+
+
+def take_rows(x_BTF: torch.Tensor, index_BK: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b, j]]`` for every row: ``[B, K, F]``."""
+    return x_BTF.gather(1, index_BK[:, :, None].expand(-1, -1, x_BTF.shape[-1]))
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.08) -> nn.Module:

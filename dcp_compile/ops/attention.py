@@ -2,14 +2,20 @@
 
 ``attention_with_lse`` is the reference implementation and the specification: plain
 torch, computed in fp32 whatever the input dtype, compared against float64 in the
-tests.  The two forms the passes insert are built on it:
+tests.  The two forms the passes insert are ``torch.library`` custom ops built on it,
+so that a GPU kernel can be registered for each without touching the passes
+(``triton_prefix.py`` and ``triton_flash.py`` do):
 
 - ``prefix_attention``: non-causal attention of the new queries over this rank's
-  cached slots ``[0, kv_len_b)``; a ``torch.library`` custom op so that a GPU kernel
-  can be registered for it without touching the passes (``triton_prefix.py`` does).
+  cached slots ``[0, kv_len_b)``;
 - ``window_attention``: attention of the new queries over the new keys/values still
   in hand, masked by their global positions (causal for prefill, decode and chain
   verify).
+
+Their CPU kernels walk the queries and the keys in blocks (``blocked_attention``,
+an online softmax), so a step of ``T`` new tokens over ``S`` slots holds at most one
+``QUERY_BLOCK x KEY_BLOCK`` tile of scores per head, never ``T x S`` or ``T x T``:
+a long prompt's prefill stays in memory bounded by the blocks, not by its length.
 
 Shapes: ``q [B, Hq, T, D]``; keys and values ``[B, Hkv, S, D]`` with ``Hq = G * Hkv``;
 query head ``h`` reads key/value head ``h // G`` (the layout ``repeat_interleave`` and
@@ -20,7 +26,14 @@ the arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+QUERY_BLOCK = 256
+KEY_BLOCK = 512
+"""Tile of the CPU kernels: fp32 scores of ``G * QUERY_BLOCK x KEY_BLOCK`` per KV head
+(with G = 4 query heads per KV head, 2 MiB per KV head and sequence)."""
 
 
 def attention_with_lse(
@@ -54,14 +67,63 @@ def attention_with_lse(
     return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
 
 
+def blocked_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    allowed: Callable[[slice, slice], torch.Tensor],
+    scale: float,
+    *,
+    key_limit: int | None = None,
+    query_block: int = QUERY_BLOCK,
+    key_block: int = KEY_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` one ``query_block x key_block`` tile at a time.
+
+    ``allowed(queries, keys)`` gives the bool mask ``[B, t, s]`` of one tile.  Each
+    tile's partial ``(out, lse)`` comes from ``attention_with_lse`` and is folded into
+    the running result by the exact LSE merge, so memory is bounded by the tile while
+    the result is the same attention.  ``key_limit`` skips key blocks at or past it
+    (slots no query may see, such as those past every sequence's length).
+    """
+    B, Hq, T, D = q_BHTD.shape
+    S = k_BHSD.shape[2] if key_limit is None else min(key_limit, k_BHSD.shape[2])
+    out = q_BHTD.new_zeros((B, Hq, T, D), dtype=torch.float32)
+    lse = q_BHTD.new_full((B, Hq, T), float("-inf"), dtype=torch.float32)
+    for t0 in range(0, T, query_block):
+        rows = slice(t0, min(t0 + query_block, T))
+        q = q_BHTD[:, :, rows]
+        acc, acc_lse = out[:, :, rows], lse[:, :, rows]
+        for s0 in range(0, S, key_block):
+            keys = slice(s0, min(s0 + key_block, S))
+            part, part_lse = attention_with_lse(q, k_BHSD[:, :, keys], v_BHSD[:, :, keys], allowed(rows, keys), scale)
+            acc, acc_lse = _fold(acc, acc_lse, part, part_lse)
+        out[:, :, rows], lse[:, :, rows] = acc, acc_lse
+    return out, lse
+
+
+def _fold(out, lse, part, part_lse):
+    """Exact merge of two partials (``lse_merge`` for N = 2, without the stacking)."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    seen = torch.isfinite(new_lse)
+    shift = torch.where(seen, new_lse, 0.0)
+    w_old = torch.where(torch.isfinite(lse), torch.exp(lse - shift), 0.0).unsqueeze(-1)
+    w_new = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - shift), 0.0).unsqueeze(-1)
+    return w_old * out + w_new * part, torch.where(seen, new_lse, float("-inf"))
+
+
 @torch.library.custom_op("dcp::prefix_attention", mutates_args=())
 def prefix_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B,Hq,T,D]`` over cache slots ``[0, kv_len[b])`` of ``[B,Hkv,S,D]``."""
     slots = torch.arange(k_cache.shape[2], device=k_cache.device)
-    allowed = (slots[None, :] < kv_len[:, None])[:, None, :]  # [B, 1, S]
-    return attention_with_lse(q, k_cache, v_cache, allowed, scale)
+    key_limit = int(kv_len.max()) if kv_len.numel() else 0
+
+    def allowed(rows: slice, keys: slice) -> torch.Tensor:
+        return (slots[keys][None, :] < kv_len[:, None])[:, None, :]  # [B, 1, s]
+
+    return blocked_attention(q, k_cache, v_cache, allowed, scale, key_limit=key_limit)
 
 
 @prefix_attention.register_fake
@@ -70,9 +132,20 @@ def _prefix_attention_fake(q, k_cache, v_cache, kv_len, scale):
     return q.new_empty((B, H, T, D), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 
 
+@torch.library.custom_op("dcp::window_attention", mutates_args=())
 def window_attention(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions_BT: torch.Tensor, scale: float
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the ``T`` new queries over the ``T`` new keys, causal by global position."""
-    allowed = positions_BT[:, None, :] <= positions_BT[:, :, None]  # [B, T(query), T(key)]
-    return attention_with_lse(q, k_new, v_new, allowed, scale)
+    """Attention of the ``T`` new queries over the ``T`` new keys, causal by global
+    position: query ``t`` sees key ``s`` where ``positions[b, s] <= positions[b, t]``."""
+
+    def allowed(rows: slice, keys: slice) -> torch.Tensor:
+        return positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+
+    return blocked_attention(q, k_new, v_new, allowed, scale)
+
+
+@window_attention.register_fake
+def _window_attention_fake(q, k_new, v_new, positions, scale):
+    B, H, T, D = q.shape
+    return q.new_empty((B, H, T, D), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)

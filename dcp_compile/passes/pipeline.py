@@ -45,8 +45,19 @@ def target_passes(
     ]
 
 
-def draft_passes() -> list[Pass]:
-    return [check_draft]
+def draft_passes(layout: KVLayout | None = None) -> list[Pass]:
+    """``layout`` (the draft's whole-cache layout, size 1): lower each attention to the
+    cascade with no collective, so the draft reads each sequence's own length of its
+    cache, not the cache's capacity; the writes stay as they are.  ``None``: no rewrite."""
+    if layout is None:
+        return [check_draft]
+    if layout.size != 1:
+        raise ValueError(f"a draft's cache is whole on every rank: expected a layout of size 1, got {layout.size}")
+    return [
+        functools.partial(shard_attention, layout=layout, group_name=None),
+        functools.partial(check_target, size=1),
+        check_draft,
+    ]
 
 
 def _name(p: Pass) -> str:

@@ -31,7 +31,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.layout import KVLayout
-from dcp_compile.ops.attention import window_attention
+import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.ops.merge import lse_merge
 from dcp_compile.passes.find import AttentionSite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
@@ -41,6 +41,7 @@ ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
+WINDOW_ATTENTION = torch.ops.dcp.window_attention.default
 COMMS = ("ag", "a2a")
 """How the partials meet: ``"ag"`` all-gathers every rank's ``[out | lse]`` and every
 rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of the
@@ -120,13 +121,13 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         # it can run while the partials are in flight.
         if layout.size == 1:
             # A group of one (the single-GPU cascade): its own prefix is all there is.
-            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             out = graph.call_function(merge_gathered, (packed, *window_parts), dict(size=1, dtype=out_dtype))
             comm_nodes = []
         elif comm == "ag":
             gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
-            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
             gathered = graph.call_function(WAIT, (gathered,))
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             out = graph.call_function(merge_gathered, (gathered, *window_parts), dict(size=layout.size, dtype=out_dtype))
@@ -135,7 +136,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             send = graph.call_function(split_heads, (packed,), dict(size=layout.size))
             splits = [1] * layout.size
             exchanged = graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name))
-            window = graph.call_function(window_attention, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
             exchanged = graph.call_function(WAIT, (exchanged,))
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             merged = graph.call_function(

@@ -1,15 +1,25 @@
-"""Greedy decoding over a ``forward(tokens [B, T], positions [B, T]) -> logits`` callable.
+"""Prompts into fixed-shape prefill chunks, and greedy decoding over a
+``forward(tokens [B, T], positions [B, T]) -> logits`` callable.
 
-Prompts of different lengths share one batch: the prefill is right-padded to the
-longest prompt, and every later step feeds each sequence its own next position.
+A long prompt is fed in chunks of ``chunk_size`` tokens per row, every chunk the same
+``[B, chunk_size]`` shape, so one compiled (and capturable) graph serves prompts of any
+width for as long as the decoder runs.  Rows advance together: chunk ``c`` holds
+positions ``c * chunk_size ...`` of every row.  A row whose prompt ends inside a chunk
+(or before it) fills the rest with padding tokens at the positions after its prompt:
+the causal mask hides them from the real tokens, nothing reads a slot past a row's
+length before the row writes it again, and their positions are clamped below
+``max_seq_len`` so that padding never asks for a slot the cache lacks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+DEFAULT_CHUNK_SIZE = 512
+"""Prompt tokens per row and prefill step (see BENCHMARKS.md, "Long prompts")."""
 
 
 @dataclass
@@ -20,17 +30,74 @@ class GreedyResult:
     """Per step, ``[B, vocab]`` logits that chose that step's token (fp32, on CPU)."""
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``tokens [B, T]``, ``positions [B, T]`` and prompt ``lengths [B]``."""
+@dataclass(frozen=True)
+class PrefillChunk:
+    tokens: torch.Tensor
+    """``[B, C]`` prompt tokens at ``positions`` (0 past a row's prompt)."""
+    positions: torch.Tensor
+    """``[B, C]`` global positions, clamped below ``max_seq_len``."""
+    next_tokens: torch.Tensor
+    """``[B, C]`` the prompt token after each position (0 where the prompt has none:
+    the caller puts the token it samples after the prompt at ``last``)."""
+    last: torch.Tensor
+    """``[B]`` index in the chunk of the row's last prompt token (clamped into the chunk)."""
+    ends: torch.Tensor
+    """``[B]`` bool: the row's prompt ends in this chunk."""
+
+
+def check_chunk_size(chunk_size: int, max_seq_len: int) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size (prompt tokens per prefill step) must be an int >= 1, got {chunk_size!r}")
+    if chunk_size > max_seq_len:
+        raise ValueError(
+            f"chunk_size={chunk_size} is larger than the cache (max_seq_len={max_seq_len}): a chunk's positions "
+            f"must fit in the cache; use a chunk_size of at most {max_seq_len}"
+        )
+
+
+def prompt_lengths(prompts: Sequence[Sequence[int]]) -> list[int]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    return [len(p) for p in prompts]
+
+
+def prefill_chunks(
+    prompts: Sequence[Sequence[int]], chunk_size: int, max_seq_len: int, device
+) -> Iterator[PrefillChunk]:
+    """The chunks that feed ``prompts`` (one row each) into a cache of ``max_seq_len``."""
+    check_chunk_size(chunk_size, max_seq_len)
+    lengths_list = prompt_lengths(prompts)
+    n_chunks = -(-max(lengths_list) // chunk_size)
+    # One column past the last chunk, so every chunk's next_tokens is a plain slice.
+    padded = torch.zeros(len(prompts), n_chunks * chunk_size + 1, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        padded[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+    padded = padded.to(device)
+    lengths = torch.tensor(lengths_list, device=device)
+    steps = torch.arange(chunk_size, device=device)
+    for c in range(n_chunks):
+        start = c * chunk_size
+        positions = (start + steps).clamp(max=max_seq_len - 1).expand(len(prompts), chunk_size).contiguous()
+        yield PrefillChunk(
+            # Contiguous: a slice's row stride would follow the prompt width, and a
+            # compiled graph guards on strides.
+            tokens=padded[:, start : start + chunk_size].contiguous(),
+            positions=positions,
+            next_tokens=padded[:, start + 1 : start + chunk_size + 1].contiguous(),
+            last=(lengths - 1 - start).clamp(0, chunk_size - 1),
+            ends=(lengths - 1 >= start) & (lengths - 1 < start + chunk_size),
+        )
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``tokens [B, T]``, ``positions [B, T]`` and prompt ``lengths [B]``."""
+    lengths = prompt_lengths(prompts)
+    width = max(lengths)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
     positions = torch.arange(width).expand(len(prompts), width).contiguous()
-    lengths = torch.tensor([len(p) for p in prompts])
-    return tokens.to(device), positions.to(device), lengths.to(device)
+    return tokens.to(device), positions.to(device), torch.tensor(lengths).to(device)
 
 
 @torch.no_grad()
@@ -41,11 +108,28 @@ def greedy_decode(
     *,
     device="cpu",
     on_token: Callable[[int, torch.Tensor], None] | None = None,
+    chunk_size: int | None = None,
+    max_seq_len: int | None = None,
 ) -> GreedyResult:
-    """Prefill ``prompts`` and decode ``steps`` more tokens per sequence."""
-    tokens, positions, lengths = pad_prompts(prompts, device)
-    rows = torch.arange(len(prompts), device=device)
-    logits = forward(tokens, positions)[rows, lengths - 1]
+    """Prefill ``prompts`` and decode ``steps`` more tokens per sequence.
+
+    ``chunk_size`` (with the cache's ``max_seq_len``): prefill in ``[B, chunk_size]``
+    chunks, one shape for every prompt width, so a compiled ``forward`` compiles its
+    prefill once.  ``None``: one prefill call as wide as the longest prompt.
+    """
+    if chunk_size is None:
+        tokens, positions, lengths = pad_prompts(prompts, device)
+        rows = torch.arange(len(prompts), device=device)
+        logits = forward(tokens, positions)[rows, lengths - 1]
+    else:
+        if max_seq_len is None:
+            raise ValueError("greedy_decode(chunk_size=...) needs the cache's max_seq_len, to keep padding in the cache")
+        rows = torch.arange(len(prompts), device=device)
+        logits = None
+        for chunk in prefill_chunks(prompts, chunk_size, max_seq_len, device):
+            chunk_logits = forward(chunk.tokens, chunk.positions)[rows, chunk.last]
+            logits = chunk_logits if logits is None else torch.where(chunk.ends[:, None], chunk_logits, logits)
+        lengths = torch.tensor(prompt_lengths(prompts), device=device)
     chosen, history = [logits.argmax(-1)], [logits.float().cpu()]
     if on_token is not None:
         on_token(0, chosen[-1])

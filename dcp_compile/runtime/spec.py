@@ -33,7 +33,7 @@ from torch import nn
 
 from dcp_compile.backend import backend as make_backend
 from dcp_compile.runtime.commit import KVCommit
-from dcp_compile.runtime.generate import pad_prompts
+from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks
 from dcp_compile.runtime.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 
@@ -115,7 +115,10 @@ class SpecDecoder:
     the prefill and every verify, compare a checksum of the merged logits and the accept
     decisions across ranks (one small eager all-gather per step) and raise on the first
     difference; a debugging aid, since ranks that disagree would otherwise run different
-    numbers of steps and hang in a collective.
+    numbers of steps and hang in a collective.  ``chunk_size``: prompt tokens per row
+    and prefill step (default ``min(DEFAULT_CHUNK_SIZE, max_seq_len)``); every prompt, however long, is fed in ``[max_batch, chunk_size]``
+    chunks (one compiled graph each for the target and the draft), so a prefill's
+    memory is bounded by the chunk and a new prompt width never recompiles.
     """
 
     def __init__(
@@ -134,7 +137,10 @@ class SpecDecoder:
         comm: str = "ag",
         cuda_graphs: bool = False,
         check_ranks: bool = False,
+        chunk_size: int | None = None,
     ):
+        chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
+        check_chunk_size(chunk_size, max_seq_len)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
         if topk != 1:
@@ -155,6 +161,7 @@ class SpecDecoder:
             raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
         self.target, self.draft, self.group = target, draft, group
         self.k, self.temperature, self.seed = k, temperature, seed
+        self.chunk_size = chunk_size
         self.check_ranks = check_ranks and group.size > 1
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
@@ -222,6 +229,33 @@ class SpecDecoder:
         token = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(logits.device)
         return token, q
 
+    def _prefill(self, prompts: Sequence[Sequence[int]], generator):
+        """Feed the prompts chunk by chunk through the target and then the draft.
+
+        Returns the prompt lengths, the token sampled after each prompt, and the
+        draft's logits and hidden state at the last prompt position, which propose the
+        first draft token.  The draft's chunk reads the target's features of the same
+        chunk and the token one ahead; at a row's last prompt position that token is the
+        one just sampled, so the draft runs after the target's logits are in.
+        """
+        rows = torch.arange(self.max_batch, device=self.device)
+        current = q_logits = hidden = None
+        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device):
+            last = chunk.last[:, None]
+            logits, features = self.target_prefill(chunk.tokens, chunk.positions, last)
+            sampled = self._choose(logits[:, 0], generator)
+            if self.check_ranks:
+                self._check_ranks_agree(0, logits[:, 0], sampled)
+            current = sampled if current is None else torch.where(chunk.ends, sampled, current)
+            next_tokens = chunk.next_tokens.clone()
+            next_tokens[rows, chunk.last] = torch.where(chunk.ends, current, next_tokens[rows, chunk.last])
+            chunk_q, chunk_hidden = self.draft_forward(next_tokens, chunk.positions, features, last)
+            ends = chunk.ends[:, None]
+            q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends, chunk_q[:, 0], q_logits)
+            hidden = chunk_hidden if hidden is None else torch.where(ends[:, :, None], chunk_hidden, hidden)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        return lengths, current, q_logits, hidden
+
     @torch.no_grad()
     def generate(
         self,
@@ -272,16 +306,8 @@ class SpecDecoder:
                 if out.finished_by:
                     active[i] = False
 
-        tokens, positions, lengths = pad_prompts(rows_prompts, dev)
-        logits, features = self.target_prefill(tokens, positions)
-        current = self._choose(logits[rows, lengths - 1], generator)
-        if self.check_ranks:
-            self._check_ranks_agree(0, logits[rows, lengths - 1], current)
+        lengths, current, q_logits, hidden = self._prefill(rows_prompts, generator)
         emit(current[:, None], torch.ones(B, dtype=torch.long))
-        draft_tokens = tokens.roll(-1, dims=1)
-        draft_tokens[rows, lengths - 1] = current
-        draft_logits, draft_hidden = self.draft_forward(draft_tokens, positions, features)
-        q_logits, hidden = draft_logits[rows, lengths - 1], draft_hidden[rows, lengths - 1][:, None]
         length = lengths.clone()  # committed target tokens; `current` sits at position `length`
 
         steps = torch.arange(k + 1, device=dev)
@@ -316,8 +342,8 @@ class SpecDecoder:
             self.commit_c(length, committed)
             # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
             extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
-            extend_logits, extend_hidden = self.draft_step(extend_tokens, verify_positions, features)
-            q_logits, hidden = extend_logits[rows, accepted], extend_hidden[rows, accepted][:, None]
+            extend_logits, extend_hidden = self.draft_step(extend_tokens, verify_positions, features, accepted[:, None])
+            q_logits, hidden = extend_logits[:, 0], extend_hidden
             # A row that finished stays where it was: its later (ignored) verify windows
             # must not run past the cache it was admitted for.
             length = torch.where(active, length + accepted + 1, length)

@@ -20,7 +20,8 @@ def test_target_caches_shrink_and_draft_caches_stay_whole(size, max_seq_len):
         assert r["target_bytes"] == 2 * cfg.n_layers * cfg.max_batch * cfg.n_kv_heads * local * cfg.head_dim * 4
         assert r["draft_caches"] == [(cfg.max_batch, cfg.n_kv_heads, max_seq_len, cfg.head_dim)] * 2
         assert r["draft_graphs"] == 1 and r["draft_collectives"] == 0
-        assert r["draft_equal"], "a draft compiled on a DCP group computes exactly its unsharded self"
+        assert r["draft_close"], "a draft compiled on a DCP group computes its unsharded self"
+        assert r["draft_prefix_reads"] == 1, "the draft reads its whole cache up to each sequence's length"
         assert "cannot run eagerly" in r["eager_error"]
 
 
