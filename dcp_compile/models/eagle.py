@@ -30,8 +30,18 @@ from dcp_compile.models.llama import Attention, FeedForward, LlamaConfig, RMSNor
 
 
 def eagle3_aux_layers(n_layers: int) -> tuple[int, ...]:
-    """The target layers whose input hidden states EAGLE3 reads: ``2, L//2, L-3``."""
-    return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+    """The target layers whose input hidden states EAGLE3 reads: ``2, L//2, L-3``.
+
+    Shallow targets make those collide; the set is then filled with the lowest unused
+    layers, so a target of ``L >= 3`` layers always gives three features (and ``L < 3``
+    gives ``L``)."""
+    if n_layers < 1:
+        raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+    chosen = {min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}
+    spare = (i for i in range(n_layers) if i not in chosen)
+    while len(chosen) < min(3, n_layers):
+        chosen.add(next(spare))
+    return tuple(sorted(chosen))
 
 
 @dataclass(frozen=True)
@@ -40,8 +50,9 @@ class DraftConfig:
     """The target the draft proposes tokens for (width, heads, vocabulary, cache size)."""
     kind: str = "eagle3"
     """``"eagle3"`` or ``"eagle"``."""
-    n_features: int = 3
-    """EAGLE3: target hidden states concatenated into ``fc`` (len(aux_layers))."""
+    n_features: int | None = None
+    """EAGLE3: target hidden states concatenated into ``fc``.  ``None``: as many as the
+    target returns (``len(target.aux_layers)``, or 3 for a target built without them)."""
     draft_vocab_size: int | None = None
     """EAGLE3: size of the draft's own LM head; None means the target vocabulary."""
 
@@ -50,6 +61,21 @@ class DraftConfig:
             raise ValueError(f"kind must be 'eagle' or 'eagle3', got {self.kind!r}")
         if self.draft_vocab_size is not None and self.kind == "eagle":
             raise ValueError("a reduced draft vocabulary is an EAGLE3 feature; EAGLE uses the target's LM head")
+        returned = len(self.target.aux_layers)
+        if self.n_features is None:
+            object.__setattr__(self, "n_features", returned or 3)
+        if self.kind == "eagle3":
+            if returned and self.n_features != returned:
+                raise ValueError(
+                    f"the EAGLE3 draft reads n_features={self.n_features} target hidden states but the target returns "
+                    f"{returned} (aux_layers={self.target.aux_layers}); leave n_features unset to follow the target"
+                )
+            if self.n_features < 2:
+                raise ValueError(
+                    f"an EAGLE3 draft needs at least 2 target features, got {self.n_features}: with one, fc's input is "
+                    f"as wide as the draft's own hidden state, which later draft steps feed back in its place. Build "
+                    f"the target with aux_layers=eagle3_aux_layers(n_layers) (3 layers for n_layers >= 3)"
+                )
 
 
 class EagleDraft(RopeTables):

@@ -25,11 +25,11 @@ def test_uncached_forward_equals_the_cached_forward_from_position_zero():
 
 def test_unrolled_draft_equals_the_cached_chain_at_every_base_position():
     cfg = LlamaConfig(n_layers=4, max_batch=1, max_seq_len=16, aux_layers=eagle3_aux_layers(4))
-    draft = init_weights(EagleDraft(DraftConfig(cfg, "eagle3", n_features=2)), seed=3).eval()
+    draft = init_weights(EagleDraft(DraftConfig(cfg, "eagle3")), seed=3).eval()
     gen = torch.Generator().manual_seed(1)
     T, steps = 8, 3
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
-    features = torch.randn(1, T, 2 * cfg.dim, generator=gen)
+    features = torch.randn(1, T, len(cfg.aux_layers) * cfg.dim, generator=gen)
     with torch.no_grad():
         unrolled = draft.forward_unrolled(tokens, features, steps)
         for p in range(T - steps + 1):
