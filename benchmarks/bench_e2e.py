@@ -175,10 +175,14 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
     backend = dcp.backend(single, "draft", check_positions=False, lowering=lowering_for(device))
     compiled = torch.compile(draft, backend=backend, fullgraph=True, dynamic=False)
     timers = {}
+    # The extend keeps the logits of one position per row, as SpecDecoder's does.
+    last = torch.zeros(batch, 1, dtype=torch.long, device=device)
     for t, features in ((tokens, width), (1, cfg.dim)):
         ids, positions, feats = inputs(t, features)
-        timers[t] = replay_timer(lambda ids=ids, positions=positions, feats=feats: compiled(ids, positions, feats),
-                                 positions, single, device, reps)
+        extra = (last,) if t > 1 else ()
+        timers[t] = replay_timer(
+            lambda ids=ids, positions=positions, feats=feats, extra=extra: compiled(ids, positions, feats, *extra),
+            positions, single, device, reps)
     times = {}
     for context in contexts:
         extend, step = timers[tokens](context), timers[1](context)
@@ -312,6 +316,8 @@ def main() -> None:
                         help="I/N: measure only every N-th point from the I-th (one-GPU runs side by side on N GPUs)")
     parser.add_argument("--combine", nargs="+", metavar="JSON",
                         help="no measuring: print the tables from these runs' JSON (a --arms dcp run and --arms one runs)")
+    parser.add_argument("--draft-only", action="store_true",
+                        help="only the EAGLE3 draft's share of a speculative step, at each --verify-batches batch")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
@@ -327,6 +333,12 @@ def main() -> None:
         return
     contexts = [48, 96] if args.small else [int(c) for c in args.contexts.split(",")]
     cfg, device = target_config(args.small)
+    if args.draft_only:
+        draft = {int(b): measure_draft(cfg, device, int(b), args.verify_k + 1, contexts, args.reps, args.seed)
+                 for b in args.verify_batches.split(",") if b}
+        report(dict(draft=draft, k=args.verify_k, reps=args.reps, torch=torch.__version__,
+                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"), args.out)
+        leave()
     group = dcp.init_group(device)
     single_group = dcp.DCPGroup(1, 0, device, None)
     n = group.size

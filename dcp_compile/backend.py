@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
+from dcp_compile.ops.guard import strip_backend_guards
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
@@ -50,7 +51,13 @@ class CompiledGraph:
 
 @dataclass
 class Backend:
-    """A torch.compile backend bound to one DCP group and one role."""
+    """A torch.compile backend bound to one DCP group and one role.
+
+    A copy (``copy.deepcopy``, as Hugging Face does with a ``CompileConfig``) is the same
+    backend: it is bound to a live process group, which is a handle, not a value."""
+
+    def __deepcopy__(self, memo):
+        return self
 
     group: DCPGroup
     role: str = "target"
@@ -113,7 +120,22 @@ class Backend:
         return records
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence, **_):
+        symbolic = [n.name for n in gm.graph.nodes if n.op == "placeholder" and _is_symbolic(n.meta.get("example_value"))]
+        if symbolic:
+            raise ValueError(
+                f"dcp.backend compiles static shapes, but Dynamo traced graph inputs {symbolic[:4]} with symbolic sizes "
+                f"(it does so on a second call of another shape when dynamic is left unset): the KV layout and the "
+                f"mask proofs need every size. Compile with torch.compile(model, backend=dcp.backend(...), "
+                f"fullgraph=True, dynamic=False); each new shape then compiles its own graph (prefill in chunks of "
+                f"one size to keep that to one graph)"
+            )
+        guards = strip_backend_guards(gm)
         plan = find(gm)
+        if not plan.caches and (guards or not any(n.op.startswith("call") for n in gm.graph.nodes)):
+            # Dynamo may compile a prepared model's forward pre-hook as a frame of its
+            # own: its graph only marks the inputs (which this backend lets through),
+            # or holds nothing at all.
+            return gm
         records = self._records(plan, example_inputs)
         if self.role == "target" and not plan.sites:
             raise ValueError(
@@ -213,6 +235,12 @@ class Backend:
             return compiled(*args)
 
         return run
+
+
+def _is_symbolic(value) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
 def rank_identical_kernels(group_size: int):

@@ -51,7 +51,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from dcp_compile.layout import KVLayout
 from dcp_compile.models.llama import LlamaConfig
-from dcp_compile.runtime.caches import CacheRecord, register
+from dcp_compile.ops.guard import guard
+from dcp_compile.runtime.caches import CacheRecord, record_for, register
 from dcp_compile.runtime.group import DCPGroup
 
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
@@ -197,6 +198,19 @@ class DCPStaticCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         keys, values = layer.keys, layer.values
+        if key_states.shape[0] != keys.shape[0]:
+            raise ValueError(
+                f"batch of {key_states.shape[0]} rows, but the model was prepared for max_batch={keys.shape[0]}: the "
+                f"DCPStaticCache holds {keys.shape[0]} rows. Split the batch, or build the cache with "
+                f"max_batch_size={key_states.shape[0]}"
+            )
+        record = record_for(keys)
+        if record is not None and record.sharded:
+            # Only a graph dcp.backend compiled may write a shard: every other route
+            # (an uncompiled or half-compiled loop) stops here, before the write.
+            if not torch.compiler.is_compiling():
+                guard(key_states, "DCPStaticCache")
+            key_states, value_states = guard(key_states, "DCPStaticCache"), guard(value_states, "DCPStaticCache")
         if self.row_positions is not None:
             # [B, T] positions: row b writes its own (the reference Llama's form).
             rows = torch.arange(keys.shape[0], device=keys.device)[:, None]

@@ -18,6 +18,8 @@ deadlocking or corrupting a collective later.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import inspect
 import math
@@ -29,6 +31,7 @@ from torch import nn
 from dcp_compile import layout as kvlayout
 from dcp_compile.layout import KVLayout
 from dcp_compile.memory import GiB, CapacityError
+from dcp_compile.ops.guard import guard
 from dcp_compile.passes.causal_mask import is_lower_triangular
 from dcp_compile.passes.find import find
 from dcp_compile.passes.fx_utils import GraphPatternError
@@ -81,6 +84,22 @@ def _default_example_inputs(model: nn.Module, max_batch: int, device: torch.devi
     return tuple(args)
 
 
+@contextlib.contextmanager
+def _forget_traced_sizes():
+    """Drop the sizes Dynamo records for automatic dynamic shapes during the discovery
+    trace: left behind, they make the model's first real compile (at another size)
+    symbolic, which ``dcp.backend`` refuses.  The record is Dynamo's internal
+    ``pgo._CODE_STATE``; on a torch without it there is nothing to drop."""
+    pgo = getattr(torch._dynamo, "pgo", None)
+    before = copy.deepcopy(getattr(pgo, "_CODE_STATE", None))
+    try:
+        yield
+    finally:
+        if pgo is not None and getattr(pgo, "_CODE_STATE", None) is not None:
+            pgo._CODE_STATE.clear()
+            pgo._CODE_STATE.update(before or {})
+
+
 def trace_graph(model: nn.Module, example_inputs: tuple):
     """Dynamo's FX graph of ``model(*example_inputs)`` and its real inputs; runs nothing."""
     captured = {}
@@ -91,7 +110,7 @@ def trace_graph(model: nn.Module, example_inputs: tuple):
 
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _forget_traced_sizes():
             compiled(*example_inputs)
     except Exception as error:  # Dynamo wraps the backend's exception
         if "gm" not in captured:
@@ -220,13 +239,51 @@ def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return torch.where(real, columns, blocked.to(mask.device))
 
 
-def _refuse_eager_call(module, args):
-    if not torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"{type(module).__name__} holds sharded KV caches after dcp.prepare and cannot run eagerly: its "
-            f"attention would see only this rank's slots. Call it through "
-            f"torch.compile(model, backend=dcp.backend(group, role='target'), fullgraph=True)"
-        )
+def _first_batched(args, kwargs) -> torch.Tensor | None:
+    return next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+
+
+def _call_checks(model_name: str, max_batch: int, sharded: bool):
+    """The forward pre-hook of a prepared model: the batch must be the one prepare laid
+    the caches out for, and a sharded model's inputs are marked so that only graphs
+    ``dcp.backend`` compiled can run it (``ops.guard``)."""
+
+    def hook(module, args, kwargs):
+        batched = _first_batched(args, kwargs)
+        if batched is not None and batched.shape[0] != max_batch:
+            raise ValueError(
+                f"batch of {batched.shape[0]} rows, but the model was prepared for max_batch={max_batch}: its KV "
+                f"caches hold {max_batch} rows. Split the batch, or pad it to {max_batch} rows, or prepare a model "
+                f"built for the batch you need"
+            )
+        if not sharded:
+            return None
+        if not torch.compiler.is_compiling():
+            guard(torch.empty(()), model_name)  # raises: an eager call of a sharded model
+        mark = lambda t: guard(t, model_name) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _refuse_replaced_caches(model: nn.Module, placed) -> None:
+    """``model.to(...)``, ``.half()``, ``.cuda()`` after prepare make new cache tensors,
+    which the backend would not know: say so at that call."""
+    original = model._apply
+
+    def _apply(fn, recurse=True):
+        result = original(fn, recurse)
+        replaced = [record.name for module, attr, record in placed if record_for(getattr(module, attr)) is not record]
+        if replaced:
+            raise RuntimeError(
+                f"{type(model).__name__}.to() / .half() / .cuda() (or another _apply) after dcp.prepare replaced its "
+                f"KV caches {replaced[:3]}{' ...' if len(replaced) > 3 else ''}, which prepare laid out for this rank; "
+                f"the model can no longer be compiled. The order is: build the model, move or cast it with .to(), "
+                f"then call dcp.prepare"
+            )
+        return result
+
+    model._apply = _apply
 
 
 def prepare(
@@ -360,5 +417,6 @@ def prepare(
             _replace(module, attr, local)
             register_table(local, qualname)
             mask_names.append(qualname)
-        model.register_forward_pre_hook(_refuse_eager_call)
+    model.register_forward_pre_hook(_call_checks(type(model).__name__, max_batch, sharded), with_kwargs=True)
+    _refuse_replaced_caches(model, placed)
     return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)

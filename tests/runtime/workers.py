@@ -313,3 +313,45 @@ def long_prefill_memory_worker(rank, size, prompt_len, chunk_size):
         peak = _memory_kib("VmHWM")
     return dict(peak_growth=(peak - before) * 1024, chunks=chunks, logits_finite=bool(torch.isfinite(logits).all()),
                 heads=cfg.n_heads)
+
+
+def refusal_worker(rank, size):
+    """Every route around dcp.backend is refused before it writes; the right route then
+    still answers as the unsharded model does."""
+    from dcp_compile.runtime.generate import pad_prompts
+    from dcp_compile.testing import make_prompts
+
+    group = dcp.init_group("cpu")
+    cfg = LlamaConfig()
+    model, reference = make_model(cfg), make_model(cfg)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    tokens, positions, _ = pad_prompts(make_prompts(), "cpu")
+    routes = {
+        "eager": lambda: model(tokens, positions),
+        "aot_eager": lambda: torch.compile(model, backend="aot_eager", fullgraph=True)(tokens, positions),
+        "inductor": lambda: torch.compile(model, fullgraph=True)(tokens, positions),
+        "too many rows": lambda: torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True)(
+            torch.zeros(cfg.max_batch + 1, 2, dtype=torch.long), torch.arange(2).expand(cfg.max_batch + 1, 2)),
+    }
+    errors, untouched = {}, {}
+    for name, call in routes.items():
+        before = [c.clone() for c in caches]
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad():
+                call()
+            errors[name] = None
+        except Exception as error:  # Dynamo wraps some of them
+            errors[name] = str(error)
+        untouched[name] = all(torch.equal(a, b) for a, b in zip(before, caches))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        logits, ref_logits = compiled(tokens, positions), reference(tokens, positions)
+    try:
+        model.to(torch.float64)
+        to_error = None
+    except RuntimeError as error:
+        to_error = str(error)
+    return dict(errors=errors, untouched=untouched, logits=logits, reference_logits=ref_logits, to_error=to_error)
