@@ -52,7 +52,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from dcp_compile.layout import KVLayout
 from dcp_compile.models.llama import LlamaConfig
 from dcp_compile.ops.guard import guard
-from dcp_compile.runtime.caches import CacheRecord, record_for, register
+from dcp_compile.runtime.caches import CacheRecord, register
 from dcp_compile.runtime.group import DCPGroup
 
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
@@ -204,10 +204,10 @@ class DCPStaticCache(Cache):
                 f"DCPStaticCache holds {keys.shape[0]} rows. Split the batch, or build the cache with "
                 f"max_batch_size={key_states.shape[0]}"
             )
-        record = record_for(keys)
-        if record is not None and record.sharded:
+        if self.layout.size > 1:
             # Only a graph dcp.backend compiled may write a shard: every other route
-            # (an uncompiled or half-compiled loop) stops here, before the write.
+            # (an uncompiled or half-compiled loop) stops here, before the write.  (A
+            # DCPCausalLM's cache is sharded by dcp.prepare, whose hook guards the calls.)
             if not torch.compiler.is_compiling():
                 guard(key_states, "DCPStaticCache")
             key_states, value_states = guard(key_states, "DCPStaticCache"), guard(value_states, "DCPStaticCache")

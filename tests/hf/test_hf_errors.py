@@ -132,3 +132,15 @@ def test_cross_attention_over_a_sharded_cache_is_refused():
     with pytest.raises(Exception, match="cross-attention") as error, torch.no_grad():
         compiled(*graphs.inputs_for(module))
     assert "enc_k" in str(error.value) and "CROSS" in str(error.value)
+
+
+def test_a_sharded_cache_written_outside_a_dcp_graph_is_refused_before_the_write():
+    from dcp_compile.runtime.launch import spawn_ranks
+    from dcp_compile.testing import FP32_TOLERANCE
+    from tests.hf.workers import hf_refusal_worker
+
+    for r in spawn_ranks(hf_refusal_worker, 2, timeout=600):
+        for route, error in r["errors"].items():
+            assert error is not None and "did not go through a graph compiled by dcp.backend" in error, (route, error)
+        assert all(r["untouched"].values()), r["untouched"]
+        torch.testing.assert_close(r["logits"], r["reference"], **FP32_TOLERANCE)

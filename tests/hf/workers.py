@@ -142,6 +142,23 @@ def gpt_fast_worker(rank, size, steps):
         tokens, logits = generate(model_c)
         ref_tokens, ref_logits = generate(reference)
 
+    # gpt-fast's generate.py compiles prefill and decode_one_token with Inductor: the
+    # prepared model must refuse them, not answer from this rank's shard.
+    from tests.hf.gpt_fast_generate import compiled_like_generate_py
+
+    decode_c, prefill_c = compiled_like_generate_py()
+    generate_py_errors = {}
+    routes = (("prefill", lambda: prefill_c(model, prompt, torch.arange(prompt.shape[1]))),
+              ("decode_one_token", lambda: decode_c(model, prompt[:, :1], torch.tensor([prompt.shape[1]]))))
+    for name, call in routes if size == 2 else ():  # an Inductor compile each: once is enough
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad():
+                call()
+            generate_py_errors[name] = None
+        except Exception as error:
+            generate_py_errors[name] = str(error)
+
     banded = build()
     banded.causal_mask = banded.causal_mask & ~torch.tril(torch.ones_like(banded.causal_mask), -8)
     try:
@@ -151,7 +168,8 @@ def gpt_fast_worker(rank, size, steps):
         banded_error = str(error)
     return dict(tokens=tokens, reference_tokens=ref_tokens, logits=logits, reference_logits=ref_logits,
                 collectives=backend.collective_counts, mask_buffers=prepared.mask_buffers,
-                causal_mask=tuple(model.causal_mask.shape), banded_error=banded_error)
+                causal_mask=tuple(model.causal_mask.shape), banded_error=banded_error,
+                generate_py_errors=generate_py_errors)
 
 
 def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
@@ -209,3 +227,40 @@ def _hf_spec(group, k, max_new_tokens, noise):
                             for c in decoder.verify_backend.compiled],
         draft_collectives=decoder.draft_backend.collective_counts,
     )
+
+
+def hf_refusal_worker(rank, size):
+    """A sharded DCPStaticCache written outside a dcp.backend graph: uncompiled, half
+    compiled, or through torch.compile(model).generate(); each is refused before the
+    write, and the compiled loop still answers as the model does without a cache."""
+    from dcp_compile.hf import DCPStaticCache, cache_kwarg
+
+    group = dcp.init_group("cpu")
+    model = make_hf_model("llama")
+    kw = cache_kwarg(model)
+    prompt = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    cache = DCPStaticCache(model.config, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    compiled = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    errors, untouched = {}, {}
+
+    def attempt(name, call):
+        before = [b.clone() for b in cache.store.buffers()]
+        try:
+            with torch.no_grad():
+                call()
+            errors[name] = None
+        except Exception as error:
+            errors[name] = str(error)
+        untouched[name] = all(torch.equal(a, b) for a, b in zip(before, cache.store.buffers()))
+
+    attempt("uncompiled prefill", lambda: model(input_ids=prompt, **{kw: cache}))
+    attempt("generate", lambda: torch.compile(model).generate(prompt, past_key_values=cache, max_new_tokens=3,
+                                                              do_sample=False))
+    with torch.no_grad():
+        prefill = compiled(input_ids=prompt, **{kw: cache}).logits[:, -1].float()
+    token = prefill.argmax(-1)[:, None]
+    attempt("uncompiled decode after a compiled prefill", lambda: model(input_ids=token, **{kw: cache}))
+    with torch.no_grad():
+        decode = compiled(input_ids=token, **{kw: cache}).logits[:, -1].float()
+        reference = model(input_ids=torch.cat([prompt, token], dim=1)).logits[:, -2:].float()
+    return dict(errors=errors, untouched=untouched, logits=torch.stack([prefill, decode], 1), reference=reference)
