@@ -55,6 +55,24 @@ def flash_prefill(model: Llama, tokens: torch.Tensor, last: torch.Tensor) -> tor
     return model.output(take_rows(model.norm(x), last[:, None])).float()[:, 0]
 
 
+def reference_prefill(model: Llama, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``flash_prefill`` for an fp32 model: K/V heads repeated for the query heads, since
+    SDPA's fp32 (memory-efficient) kernel takes no ``enable_gqa`` and the math fallback
+    would hold ``T x T`` scores."""
+    T = tokens.shape[1]
+    x = model.tok_embeddings(tokens)
+    cos, sin = model.rope_cos[None, :T], model.rope_sin[None, :T]
+    for layer in model.layers:
+        attention, h = layer.attention, layer.attention_norm(x)
+        q, k, v = (t.transpose(1, 2) for t in attention.project(h, cos, sin))
+        group = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+        x = x + attention.wo(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    return model.output(take_rows(model.norm(x), last[:, None])).float()[:, 0]
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -100,7 +118,7 @@ def speed_phase(args, group, device) -> dict | None:
         with torch.no_grad():
             flash_s, flash_logits = timed(lambda: flash(plain, tokens, last), device, args.reps)
             reference = plain.float()
-            ref_logits = flash_prefill(reference, tokens, last)
+            ref_logits = reference_prefill(reference, tokens, last)
         del plain, reference
         torch._dynamo.reset()
         log(group.rank, f"B={batch} T={length}: one-GPU flash prefill {flash_s:.3f} s")

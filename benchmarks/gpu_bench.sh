@@ -8,6 +8,9 @@
 #   NPROC=4 bash benchmarks/gpu_bench.sh gate merge  # any group size: the speculative gate, the merge sweep
 #   bash benchmarks/gpu_bench.sh kernel deterministic demo  # one GPU: kernel sweep, deterministic mode's cost,
 #                                                          # the demo on CUDA (--dcp $NPROC)
+#   bash benchmarks/gpu_bench.sh gputests prefillkernels draft prefill  # long prompts: kernel tests on the GPU,
+#                      # flash kernels against SDPA, the draft's share, chunked DCP prefill against one GPU's flash
+#   bash benchmarks/gpu_bench.sh long              # 8 x 131072-token prompts prefilled and decoded at DCP=2
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,7 +70,17 @@ for what in "$@"; do
               --out "$OUT/deterministic.json" --watchdog $((${DETERMINISTIC_SECONDS:-200} - 15)) ;;
     demo)   single demo "${DEMO_SECONDS:-150}" python3 -m dcp_compile.cli demo --device cuda --dcp "$NPROC" ;;
     gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ;;
-    *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo)"; exit 2 ;;
+    gputests) single gputests "${GPUTESTS_SECONDS:-240}" python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider ;;
+    prefillkernels) single prefillkernels "${PREFILLKERNELS_SECONDS:-200}" python3 benchmarks/bench_prefill_kernels.py \
+              --json "$OUT/prefill_kernels.json" ;;
+    draft)  single draft "${DRAFT_SECONDS:-200}" python3 benchmarks/bench_e2e.py --draft-only --verify-batches 8 \
+              --out "$OUT/draft.json" --watchdog $((${DRAFT_SECONDS:-200} - 15)) ;;
+    prefill) phase prefill "${PREFILL_SECONDS:-420}" benchmarks/bench_long_prefill.py --phase speed \
+              --out "$OUT/prefill_speed.json" ${PREFILL_ARGS:-} ;;
+    long)   phase long "${LONG_SECONDS:-560}" benchmarks/bench_long_prefill.py --phase long \
+              --out "$OUT/prefill_long.json" ${LONG_ARGS:-} ;;
+    *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo, gputests, prefillkernels,"\
+            "draft, prefill, long)"; exit 2 ;;
   esac
 done
 for what in "$@"; do

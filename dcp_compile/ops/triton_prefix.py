@@ -41,6 +41,10 @@ and the op stays opaque on CPU.  The Triton path is a separate
   sees the two kernels themselves, emits them in its own code (no Python dispatch, no
   opaque fallback node inside its CUDA graphs), and plans their buffers.
 
+Both ways pick the kernel by the number of new tokens: up to ``SPLIT_KV_MAX_TOKENS``
+this module's ``prefix_attention_triton``, beyond it (prefill chunks) the flash kernel
+``prefix_flash_triton`` of ``triton_flash.py``.
+
 Making ``prefix_attention`` itself the triton_op would also inline the torch reference
 into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``
 alone would leave the Triton kernels hidden behind an opaque call.
@@ -59,6 +63,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
 from dcp_compile.ops.attention import prefix_attention
+from dcp_compile.ops.triton_flash import prefix_flash_triton  # imports nothing of this module: no cycle
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 64
@@ -74,6 +79,13 @@ MAX_SPLITS = 64
 """The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32."""
 DEFAULT_SM_COUNT = 132
 """SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
+SPLIT_KV_MAX_TOKENS = 16
+"""New tokens up to which a CUDA ``prefix_attention`` runs this module's split-KV kernel
+(decode, verify: bound by reading the cache once); longer chunks go to the flash
+kernel of ``triton_flash.py``.  That kernel does not split the cache, so it fills the
+GPU only once its ``B * Hkv * ceil(G * T / 128)`` tiles reach about half the SMs: on
+the H200 at Hq=32, Hkv=8, S=64K the two broke even at T=32 for B=8 (flash 2x faster
+from T=64), while for B=1 this kernel stayed ahead up to T=256 (4x at T=32)."""
 
 
 @triton.jit
@@ -292,9 +304,14 @@ def prefix_attention_triton(
     return out, lse
 
 
+def _kernel_for(q: torch.Tensor):
+    """The split-KV kernel for decode and verify steps, the flash kernel for prefill chunks."""
+    return prefix_attention_triton if q.shape[2] <= SPLIT_KV_MAX_TOKENS else prefix_flash_triton
+
+
 @prefix_attention.register_kernel("cuda")
 def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale):
-    return prefix_attention_triton(q, k_cache, v_cache, kv_len, scale)
+    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale)
 
 
 @prefix_attention.register_torch_dispatch(FunctionalTensorMode)
@@ -303,4 +320,4 @@ def _prefix_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda":
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return prefix_attention_triton(*args, **kwargs)
+        return _kernel_for(q)(*args, **kwargs)

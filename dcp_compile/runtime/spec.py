@@ -18,9 +18,10 @@ One step, for every sequence of the batch at once (static shapes, ragged counts)
 The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1`` and
 proposes token ``p + 2`` (the EAGLE convention).
 
-Sampling draws every random number from one CPU generator seeded identically on all
-ranks, and the merged logits are bitwise the same on all ranks, so every rank accepts
-the same tokens without communicating.
+Sampling runs on the device: every random number comes from one device generator
+seeded identically on all ranks, and the merged logits are bitwise the same on all
+ranks, so every rank accepts the same tokens without communicating.  The host reads
+one small tensor per step (the emitted tokens, their counts and the accept counts).
 """
 
 from __future__ import annotations
@@ -56,7 +57,15 @@ class RequestOutput:
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.double() / temperature, dim=-1)
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [..., V]``, on the device: the first of V exponential
+    clocks with rates ``probs`` to ring, ``argmax(probs / E)``, is distributed as
+    ``probs``, with no host sync (``torch.multinomial`` on CUDA synchronizes)."""
+    clocks = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / clocks).argmax(-1)
 
 
 def accept_chain(
@@ -76,7 +85,8 @@ def accept_chain(
     Sampling: accept ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
     first rejection sample from ``norm(max(0, p_j - q_j))``; if all ``k`` are accepted,
     sample the bonus from ``p_{k+1}``.  The emitted tokens are then distributed exactly
-    as the target's own samples (rejection sampling).
+    as the target's own samples (rejection sampling).  Everything stays on the device of
+    the logits; ``generator`` must live there too.
     """
     B, k = drafts.shape
     if temperature == 0:
@@ -84,24 +94,21 @@ def accept_chain(
         matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
         accepted = matches.sum(dim=1)
         return accepted, greedy.gather(1, accepted[:, None])[:, 0]
-    p = _probs(target_logits, temperature).cpu()  # [B, k+1, V]
-    q = draft_probs.double().cpu()
-    d = drafts.cpu()
-    p_d = p[:, :k].gather(2, d[..., None])[..., 0]
-    q_d = q.gather(2, d[..., None])[..., 0]
-    u = torch.rand(B, k, generator=generator, dtype=torch.float64)
+    p = _probs(target_logits, temperature)  # [B, k+1, V]
+    q = draft_probs.float()
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0]
+    u = torch.rand(B, k, generator=generator, device=p.device)
     ok = (u * q_d < p_d).long().cumprod(dim=1)
     accepted = ok.sum(dim=1)
-    rows = torch.arange(B)
-    residual = p[rows, accepted.clamp(max=k - 1)] - q[rows, accepted.clamp(max=k - 1)]
-    residual = residual.clamp(min=0)
+    rows = torch.arange(B, device=p.device)
+    at = accepted.clamp(max=k - 1)
+    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
     # All accepted: the bonus comes from the target alone.
-    bonus = p[rows, k]
-    weights = torch.where((accepted == k)[:, None], bonus, residual)
+    weights = torch.where((accepted == k)[:, None], p[rows, k], residual)
     # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
-    nxt = torch.multinomial(weights / weights.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
-    return accepted.to(drafts.device), nxt.to(drafts.device)
+    return accepted, sample_from(weights / weights.sum(-1, keepdim=True), generator)
 
 
 class SpecDecoder:
@@ -215,8 +222,7 @@ class SpecDecoder:
     def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
         if self.temperature == 0:
             return logits.argmax(-1)
-        probs = _probs(logits, self.temperature).cpu()
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+        return sample_from(_probs(logits, self.temperature), generator)
 
     def _draft_propose(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token (target ids) and, when sampling, the draft's distribution over target ids."""
@@ -226,8 +232,7 @@ class SpecDecoder:
             return ids[logits.argmax(-1)], None
         q_draft = _probs(logits, self.temperature)
         q = torch.zeros(logits.shape[0], vocab, dtype=q_draft.dtype, device=logits.device).index_add_(1, ids, q_draft)
-        token = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(logits.device)
-        return token, q
+        return sample_from(q, generator), q
 
     def _prefill(self, prompts: Sequence[Sequence[int]], generator):
         """Feed the prompts chunk by chunk through the target and then the draft.
@@ -285,15 +290,22 @@ class SpecDecoder:
             else:
                 rows_prompts.append(prompt)
         rows_prompts += [[0]] * (B - len(prompts))
-        active = torch.tensor([o.finished_by == "" for o in outputs] + [False] * (B - len(prompts)), device=dev)
-        generator = torch.Generator().manual_seed(self.seed)
+        live = [o.finished_by == "" for o in outputs] + [False] * (B - len(prompts))
+        active = torch.tensor(live, device=dev)
+        generator = torch.Generator(device=dev).manual_seed(self.seed)
         rows = torch.arange(B, device=dev)
 
-        def emit(new_tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        def emit(new_tokens: torch.Tensor, counts: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
+            """Hand the step's tokens to the requests: one device-to-host copy for the batch."""
+            width = new_tokens.shape[1]
+            packed = torch.cat([new_tokens, counts[:, None], (accepted if accepted is not None else counts)[:, None]], 1)
+            host = packed.tolist()
             for i, out in enumerate(outputs):
-                if not bool(active[i]):
+                if not live[i]:
                     continue
-                fresh = new_tokens[i, : int(counts[i])].tolist()
+                if accepted is not None:
+                    out.accepted.append(host[i][width + 1])
+                fresh = host[i][: host[i][width]]
                 fresh = fresh[: max_new_tokens - len(out.tokens)]
                 if eos_id is not None and eos_id in fresh:
                     fresh = fresh[: fresh.index(eos_id) + 1]
@@ -304,15 +316,16 @@ class SpecDecoder:
                 if fresh and on_tokens is not None:
                     on_tokens(i, fresh)
                 if out.finished_by:
-                    active[i] = False
+                    live[i] = False
 
         lengths, current, q_logits, hidden = self._prefill(rows_prompts, generator)
-        emit(current[:, None], torch.ones(B, dtype=torch.long))
+        emit(current[:, None], torch.ones(B, dtype=torch.long, device=dev))
+        active = torch.tensor(live, device=dev)
         length = lengths.clone()  # committed target tokens; `current` sits at position `length`
 
         steps = torch.arange(k + 1, device=dev)
         verify_step = 0
-        while bool(active.any()):
+        while any(live):
             verify_step += 1
             drafts, draft_probs = [], []
             for j in range(k):
@@ -331,19 +344,17 @@ class SpecDecoder:
             accepted = torch.where(active, accepted, 0)
             if self.check_ranks:
                 self._check_ranks_agree(verify_step, logits, drafts, accepted, bonus)
-            for i, out in enumerate(outputs):
-                if bool(active[i]):
-                    out.accepted.append(int(accepted[i]))
             new_tokens = torch.cat([drafts, bonus[:, None]], dim=1)
             new_tokens[rows, accepted] = bonus
-            was_active = active.clone()
-            emit(new_tokens, accepted + 1)
-            committed = torch.where(was_active, accepted + 1, 0)
+            committed = torch.where(active, accepted + 1, 0)
             self.commit_c(length, committed)
             # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
             extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
             extend_logits, extend_hidden = self.draft_step(extend_tokens, verify_positions, features, accepted[:, None])
             q_logits, hidden = extend_logits[:, 0], extend_hidden
+            # The host reads the step only now, with the commit and the draft queued.
+            emit(new_tokens, accepted + 1, accepted)
+            active = torch.tensor(live, device=dev)
             # A row that finished stays where it was: its later (ignored) verify windows
             # must not run past the cache it was admitted for.
             length = torch.where(active, length + accepted + 1, length)

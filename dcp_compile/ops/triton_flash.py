@@ -1,0 +1,315 @@
+"""Triton flash-attention (prefill) kernels for ``dcp::prefix_attention`` and
+``dcp::window_attention`` on CUDA.
+
+The torch ops in ``attention.py`` stay the specification, the CPU path and the test
+oracle.  This module is their GPU path for long chunks of new tokens: a prefill of
+``T`` tokens over ``S`` cached slots (prefix) or over its own ``T`` keys (window).
+Each program holds one tile of query rows and walks the keys in blocks with an online
+softmax (fp32 accumulation, base-2 exponentials, fp32 natural-log ``lse`` out), so no
+``T x S`` or ``T x T`` scores ever exist, in HBM or anywhere else.
+
+Contract, shared with the reference: ``q [B,Hq,T,D]``; keys and values ``[B,Hkv,S,D]``
+(``S = T`` in the window form); query head ``h`` reads KV head ``h // (Hq // Hkv)``;
+out fp32 ``[B,Hq,T,D]``, lse fp32 ``[B,Hq,T]``; a row that sees no key gets
+``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
+``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.
+
+- **Tile.**  The ``G = Hq // Hkv`` query heads of a KV group are packed into the
+  tile's rows, token-major (row ``r`` is token ``r // G`` of head ``r % G`` of the
+  group), so the K/V blocks a program loads serve all ``G`` heads: a KV head is read
+  by ``G`` times fewer programs, and a tile still covers a contiguous run of tokens,
+  which is what the window form's block skipping needs.
+- **Prefix** (``WINDOW=False``): keys are slots ``[0, kv_len[b])``, non-causal.  The
+  length is read on the device and bounds the key loop, so slots past it are never
+  loaded and the host never syncs: shapes alone fix the launch, which keeps it
+  CUDA-graph capturable.
+- **Window** (``WINDOW=True``): keys are the ``T`` new tokens, query ``t`` sees key
+  ``s`` iff ``positions[b, s] <= positions[b, t]``.  Each program first scans the
+  positions (ints only, ``SCAN_BLOCK`` at a time) for the last key any of its queries
+  can see, and stops its key loop there, and for the first key some query cannot see.
+  Both bounds are exact for any positions; for the usual ascending ones they are the
+  tile's own last and first tokens, so a causal prefill does half the work, and only
+  the one or two blocks between them need the position mask.  Tiles are launched
+  heaviest first so the short ones fill the tail of the grid.
+
+Keys past the loop bound (slots past ``kv_len``, which may hold NaN) are masked at the
+load with ``other=0``, and in every block that is not wholly visible the scores of
+keys a row may not see are set to ``-inf`` with ``tl.where``: a NaN in an unused slot
+is never loaded, so ``0 * NaN`` cannot happen.  A row whose running max is still
+``-inf`` shifts by 0 instead, so ``exp2(-inf - -inf)`` never happens either.
+
+The ops ``prefix_flash_triton`` and ``window_flash_triton`` are ``torch.library``
+triton_ops, registered the way ``triton_prefix.py`` explains: ``window_attention``
+reaches its kernel here (eager CUDA calls and ``torch.compile``), ``prefix_attention``
+through ``triton_prefix.py``, which sends chunks of more than ``SPLIT_KV_MAX_TOKENS``
+tokens to ``prefix_flash_triton`` and decode/verify steps to its split-KV kernel.
+Both run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the CI tests run
+them.  On the H200 at Llama-3-8B heads (bf16, D=128) they ran at 1.0-1.5x the speed
+of SDPA's FLASH backend in the window form (T = 512..4096) and 1.3-1.7x in the prefix
+form (``benchmarks/bench_prefill_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op, wrap_triton
+
+from dcp_compile.ops.attention import window_attention
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK_SIZES = (16, 32, 64, 128)
+"""What ``block_m`` / ``block_n`` overrides may take (16 is ``tl.dot``'s smallest tile)."""
+NARROW_ROW_BYTES = 256
+"""A head row of at most this many bytes (bf16 D <= 128, fp32 D <= 64) gets the wide
+tiles below; wider rows get the narrow one."""
+PREFIX_TILE = (128, 64, 8, 4)
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefix form for narrow rows: 128
+query rows over two warpgroups' MMAs, and a deep pipeline since the loop runs the
+whole cache.  With bf16 D=128: Q (32 KB) plus four stages of K and V (4 x 32 KB) is
+160 KB of the H200's 227 KB; 128-key blocks in three stages (224 KB) ran no faster."""
+WINDOW_TILE = (128, 64, 8, 3)
+"""The window form's: a causal chunk's tiles see T/2 keys on average, so their loops
+are short and a third stage fills faster than a fourth pays (~2% on the H200)."""
+NARROW_TILE = (64, 32, 4, 2)
+"""For wide rows (bf16 D=256, fp32 D >= 128), both forms: the fp32 accumulator of
+64 x 256 already takes 128 registers a thread in one warpgroup, and Q plus two stages
+of K/V stay at 96 KB (bf16 D=256) to 160 KB (fp32 D=256) of shared memory."""
+SCAN_BLOCK = 1024
+"""Positions the window kernel scans per step while bounding its key loop: a few
+steps even for long chunks, four ints a thread."""
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, KV_LEN, POS, O, LSE,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    T, S, G,
+    s_qb, s_qh, s_qt, s_qd,
+    s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd,
+    s_pb, s_pt,
+    s_ob, s_oh, s_ot, s_od,
+    s_lb, s_lh, s_lt,
+    WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if WINDOW:
+        # Later tiles see more keys: start them first so the light ones fill the tail.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)  # b * batch stride can pass 2**31 elements
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    # Padding rows repeat the last token, so every load below stays in bounds unmasked
+    # and the tile's smallest and largest positions are those of real rows.
+    tok = tl.minimum(rows // G, T - 1).to(tl.int64)
+    head = (kv_head * G + rows % G).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt + offs_d[None, :] * s_qd)
+
+    if WINDOW:
+        pos_base = POS + b * s_pb
+        q_pos = tl.load(pos_base + tok * s_pt)
+        q_min = tl.min(q_pos, 0)
+        q_max = tl.max(q_pos, 0)
+        # Keys [0, full) are seen by every query of the tile; keys [hi, T) by none.
+        full = tl.full([], 0, tl.int32) + T
+        hi = tl.full([], 0, tl.int32)
+        for start in range(0, T, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            in_range = offs < T
+            k_pos = tl.load(pos_base + offs * s_pt, mask=in_range, other=0)
+            full = tl.minimum(full, tl.min(tl.where(in_range & (k_pos > q_min), offs, T), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(in_range & (k_pos <= q_max), offs + 1, 0), 0))
+    else:
+        hi = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+        full = hi
+
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = K + b * s_kb + kv_head.to(tl.int64) * s_kh + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd
+    v_ptrs = V + b * s_vb + kv_head.to(tl.int64) * s_vh + offs_n[:, None] * s_vs + offs_d[None, :] * s_vd
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        keys = start + offs_n
+        live = keys < hi
+        k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
+        # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
+        scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
+        # Blocks inside [0, full) are live and seen by every row: only the others need
+        # the mask.  Skipping it there made the window form ~1.5x faster on the H200;
+        # a second, unmasked loop instead spilled registers (two pipelined loops).
+        if start + BLOCK_N > full:
+            if WINDOW:
+                k_pos = tl.load(pos_base + keys * s_pt, mask=live, other=0)
+                visible = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            else:
+                visible = live[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        # A row that has seen no key yet keeps m = -inf: shift it by 0 so its weights
+        # are exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(scores - shift[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+        # Pointer steps stay 64-bit even where start * stride would not fit 32 bits.
+        k_ptrs += BLOCK_N * s_ks
+        v_ptrs += BLOCK_N * s_vs
+
+    seen_any = l > 0.0
+    l_safe = tl.where(seen_any, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen_any, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log
+    tl.store(O + b * s_ob + head[:, None] * s_oh + tok[:, None] * s_ot + offs_d[None, :] * s_od, out,
+             mask=row_ok[:, None])
+    tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt, lse, mask=row_ok)
+
+
+def flash_config(head_dim: int, element_size: int, window: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one form for a head row of ``head_dim`` elements."""
+    if head_dim * element_size > NARROW_ROW_BYTES:
+        return NARROW_TILE
+    return WINDOW_TILE if window else PREFIX_TILE
+
+
+def _check(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor) -> None:
+    """Refuse what the kernel cannot run, saying what it expected, what it got and the fix."""
+    kv = ("k_cache", "v_cache") if form == "prefix" else ("k_new", "v_new")
+    keys = "S" if form == "prefix" else "T"
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"{form}_attention expects q [B,Hq,T,D] and {kv[0]}, {kv[1]} [B,Hkv,{keys},D] of one shape; got q "
+            f"{tuple(q.shape)}, {kv[0]} {tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
+        )
+    B, Hq, T, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    if Bk != B or Dk != D or Hkv == 0 or Hq % Hkv or (form == "window" and Sk != T):
+        same_t = " and the same T (one key per new token)" if form == "window" else ""
+        raise ValueError(
+            f"{form}_attention: q {tuple(q.shape)} does not match {kv[0]} {tuple(k.shape)}: need the same B and "
+            f"D{same_t}, and Hq a multiple of Hkv; transpose to [B, heads, tokens, D] if the heads are not dim 1"
+        )
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(
+            f"the Triton flash-attention kernel needs a head dim D that is a power of two in [16, 256], got "
+            f"D={D}; pad q, {kv[0]} and {kv[1]} with zeros along D to {max(16, 1 << (D - 1).bit_length())} "
+            f"(and keep the softmax scale of the original D), or run the reference on CPU"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"the Triton flash-attention kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one of those"
+        )
+    name, shape = ("kv_len", (B,)) if form == "prefix" else ("positions", (B, T))
+    if extra.shape != shape or extra.dtype.is_floating_point or extra.dtype.is_complex or extra.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be an integer tensor {list(shape)} (B={B}" + (f", T={T}" if form == "window" else "")
+            + f"), got {extra.dtype} {tuple(extra.shape)}"
+        )
+    devices = {t.device for t in (q, k, v, extra)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{form}_attention: q, {kv[0]}, {kv[1]} and {name} must be on one device, got "
+            f"{q.device}, {k.device}, {v.device}, {extra.device}; move {name} with .to(q.device)"
+        )
+
+
+def _blocks(q: torch.Tensor, window: bool, block_m: int | None, block_n: int | None) -> tuple[int, int, int, int]:
+    default_m, default_n, num_warps, num_stages = flash_config(q.shape[-1], q.element_size(), window)
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value is not None and value not in BLOCK_SIZES:
+            raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value}")
+    return block_m or default_m, block_n or default_n, num_warps, num_stages
+
+
+def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
+    """Launch the kernel in the prefix form (``kv_len`` given) or the window form."""
+    window = positions is not None
+    # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
+    # specializes on them here.
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, S = int(k.shape[1]), int(k.shape[2])
+    out = torch.empty((B, Hq, T, D), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
+    if B * Hq * T == 0:
+        return out, lse
+    BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(q, window, block_m, block_n)
+    G = Hq // Hkv
+    # The unused one of kv_len / positions gets the other's pointer (never read).
+    meta = positions if window else kv_len
+    pos_strides = positions.stride() if window else (0, 0)
+    scan = max(16, min(SCAN_BLOCK, triton.next_power_of_2(T))) if window else 16
+    grid = (triton.cdiv(G * T, BLOCK_M), Hkv, B)
+    wrap_triton(_flash_fwd_kernel)[grid](
+        q, k, v, meta, meta, out, lse,
+        scale * LOG2E,
+        T, S, G,
+        *q.stride(), *k.stride(), *v.stride(), *pos_strides, *out.stride(), *lse.stride(),
+        WINDOW=window, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SCAN=scan,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+@triton_op("dcp::prefix_flash_triton", mutates_args=())
+def prefix_flash_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefix_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+
+    ``block_m`` (query rows a program holds: G heads x tokens) and ``block_n`` (keys per
+    loop step), each one of ``BLOCK_SIZES``, override ``flash_config`` for tests and
+    tuning.
+    """
+    _check("prefix", q, k_cache, v_cache, kv_len)
+    return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n)
+
+
+@triton_op("dcp::window_flash_triton", mutates_args=())
+def window_flash_triton(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``window_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+
+    ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.
+    """
+    _check("window", q, k_new, v_new, positions)
+    return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
+
+
+@window_attention.register_kernel("cuda")
+def _window_attention_cuda(q, k_new, v_new, positions, scale):
+    return window_flash_triton(q, k_new, v_new, positions, scale)
+
+
+@window_attention.register_torch_dispatch(FunctionalTensorMode)
+def _window_attention_functional(mode, op, types, args, kwargs):
+    q = args[0] if args else kwargs["q"]
+    if q.device.type != "cuda":
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return window_flash_triton(*args, **kwargs)
