@@ -22,7 +22,9 @@ import contextlib
 import copy
 import hashlib
 import inspect
+import itertools
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -263,7 +265,20 @@ def _call_checks(model_name: str, max_batch: int, sharded: bool):
         mark = lambda t: guard(t, model_name) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
 
-    return hook
+    return _own_code(hook)
+
+
+_hooks_made = itertools.count()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own.  Dynamo compiles a forward pre-hook as a
+    frame of its own and counts recompiles per code object: with one shared code
+    object, every prepared model's every call shape (a target's prefill and verify, a
+    draft's three graphs, both arms of a comparison) would add to one count and reach
+    the recompile limit."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_hooks_made)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _refuse_replaced_caches(model: nn.Module, placed) -> None:
