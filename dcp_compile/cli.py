@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 -m dcp_compile.cli demo --device cuda
     dcp-compile train --device cuda --out runs/tiny-code --measure-acceptance
     dcp-compile eval --model tiny-code     # accept length on held-out files
+    dcp-compile gate --dcp 2               # the correctness gate on held-out prompts
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from dcp_compile import gate
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
 DEMO_PROMPTS = (
@@ -63,13 +65,19 @@ def _compile_progress(decoder, label: str, enabled: bool):
     return close
 
 
+def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """``--dtype`` where the command has it; else bf16 on CUDA and fp32 on CPU."""
+    name = getattr(args, "dtype", None) or ("bfloat16" if device.type == "cuda" else "float32")
+    return getattr(torch, name)
+
+
 def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     """Load, compile (warm-up call) and time one arm; returns its outputs and numbers."""
     import dcp_compile as dcp
     from dcp_compile.models.pretrained import load_pair
 
     device = group.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(args, device)
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 1
     target, draft = load_pair(args.model, max_batch=len(prompts), max_seq_len=max_seq_len, device=device, dtype=dtype)
     decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=len(prompts), max_seq_len=max_seq_len,
@@ -127,6 +135,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     dcp_out, off_out = dcp_arm["outputs"], off_arm["outputs"]
     tokens_identical = all(a.tokens == b.tokens for a, b in zip(dcp_out, off_out))
     accepts_identical = all(a.accepted == b.accepted for a, b in zip(dcp_out, off_out))
+    verdict = gate.evaluate([o.tokens for o in dcp_out], [o.accepted for o in dcp_out], [o.tokens for o in off_out],
+                            [o.accepted for o in off_out], k=args.k, dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
         for i, (prompt, out) in enumerate(zip(prompts[1:], dcp_out[1:]), start=1):
             print(f"\n--- prompt {i} ---\n{_text(prompt)}{_text(out.tokens)}")
@@ -135,6 +145,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
             print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
                   f"mean accept length {arm['accept_len']:.2f} at k={args.k} (compile {arm['compile_s']:.1f}s)")
         print(f"{'parity':>18}: tokens identical = {tokens_identical}, accept counts identical = {accepts_identical}")
+        print(f"{'gate':>18}: {verdict.describe()}")
         if device.type == "cpu":
             print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
     return dict(
@@ -145,6 +156,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         compile_s=dict(dcp=dcp_arm["compile_s"], off=off_arm["compile_s"]),
         new_tokens=[len(o.tokens) for o in dcp_out],
         finished_by=[o.finished_by for o in dcp_out],
+        gate=verdict.as_dict(),
     )
 
 
@@ -160,8 +172,68 @@ def demo(args: argparse.Namespace) -> int:
     if summary is not None:
         if args.json:
             print(json.dumps(summary))
-        return 0 if summary["tokens_identical"] and summary["accept_counts_identical"] else 1
+        return 0 if summary["gate"]["passed"] else 1
     return 0
+
+
+def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]:
+    import dcp_compile as dcp
+    from dcp_compile.models.pretrained import load_pair
+    from tqdm.auto import tqdm
+
+    device = group.device
+    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 1
+    batch = min(args.batch, len(prompts))
+    target, draft = load_pair(args.model, max_batch=batch, max_seq_len=max_seq_len, device=device,
+                              dtype=_dtype(args, device))
+    decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=batch, max_seq_len=max_seq_len,
+                              temperature=args.temperature, seed=args.seed, lowering=args.lowering,
+                              chunk_size=min(args.chunk_size, max_seq_len))
+    tokens, accepted = [], []
+    for start in tqdm(range(0, len(prompts), batch), desc=label, unit="batch", disable=not talk, leave=False):
+        for out in decoder.generate(prompts[start : start + batch], args.max_new_tokens):
+            tokens.append(out.tokens)
+            accepted.append(out.accepted)
+    return tokens, accepted
+
+
+def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
+    import dcp_compile as dcp
+    from dcp_compile import training
+
+    device = _device(args.device)
+    group = dcp.init_group(device)
+    talk = group.rank == 0 and not args.json
+    prompts = training.held_out_prompts(args.prompts, args.prompt_bytes, seed=args.seed)
+    dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, size {group.size}")
+    if group.rank != 0:
+        return None
+    off_tokens, off_accepted = _gate_arm(dcp.DCPGroup(1, 0, device, None), args, prompts, talk, "off arm")
+    verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=args.k,
+                            dtype=str(_dtype(args, device)).split(".")[-1])
+    if talk:
+        print(f"DCP size {group.size} against the off arm, {args.model!r}, k={args.k}, temperature "
+              f"{args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
+        print(f"accept-count histogram, DCP: {verdict.histogram_dcp}; off: {verdict.histogram_off}")
+        print(verdict.describe())
+    return dict(verdict.as_dict(), dcp_size=group.size, k=args.k, temperature=args.temperature, model=args.model,
+                prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+
+
+def gate_command(args: argparse.Namespace) -> int:
+    from dcp_compile.runtime.launch import spawn_ranks
+
+    if "RANK" in os.environ:
+        summary = _gate_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
+    else:
+        if args.device == "cuda" and torch.cuda.device_count() < args.dcp:
+            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
+        summary = spawn_ranks(_gate_rank, args.dcp, args, timeout=3600)[0]
+    if summary is None:
+        return 0
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["passed"] else 1
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -265,6 +337,22 @@ def main(argv: list[str] | None = None) -> int:
              "on cuda, aot_eager on cpu, where Inductor's C++ compile of seven graphs on two shared cores takes minutes",
     )
     d.add_argument("--json", action="store_true", help="print one JSON summary line and nothing else")
+    g = sub.add_parser("gate", help="the correctness gate: DCP arm against the off arm on held-out prompts")
+    g.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="float32: exact rule; bfloat16 / float16: paired statistical rule (default: bf16 on cuda, fp32 on cpu)")
+    g.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32; use 256 or more in bf16)")
+    g.add_argument("--prompt-bytes", type=int, default=128)
+    g.add_argument("--batch", type=int, default=16, help="prompts per decoder batch")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--k", type=int, default=4)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    g.add_argument("--model", default="tiny-code")
+    g.add_argument("--lowering", choices=("inductor", "aot_eager"))
+    g.add_argument("--json", action="store_true", help="print one JSON line and nothing else")
     t = sub.add_parser("train", help="train the byte-level target and its EAGLE3 draft on the Python standard library")
     t.add_argument("--out", required=True, help="checkpoint directory to write")
     t.add_argument("--preset", default="tiny-code", help="model and schedule: tiny-code (shipped) or smoke")
@@ -295,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         return train_command(args)
     if args.command == "eval":
         return eval_command(args)
+    if args.command == "gate":
+        if min(args.dcp, args.k, args.prompts, args.prompt_bytes, args.batch, args.max_new_tokens, args.chunk_size) < 1:
+            parser.error("--dcp, --k, --prompts, --prompt-bytes, --batch, --max-new-tokens and --chunk-size must be >= 1")
+        if args.temperature < 0:
+            parser.error(f"--temperature must be >= 0, got {args.temperature}")
+        args.lowering = args.lowering or ("inductor" if args.device == "cuda" else "aot_eager")
+        return gate_command(args)
     if args.command == "demo":
         if args.dcp < 1 or args.max_new_tokens < 1 or args.k < 1:
             parser.error("--dcp, --k and --max-new-tokens must be >= 1")
