@@ -102,3 +102,43 @@ def test_requests_that_exactly_fill_the_cache_run_to_the_end():
     outputs = dec.generate(prompts, new)
     assert [o.finished_by for o in outputs] == ["length"] * 4
     assert [len(o.tokens) for o in outputs] == [new] * 4
+
+
+def test_the_loop_reads_the_device_once_per_step():
+    """Host reads made by the loop itself (dcp_compile/runtime: not the backend's optional
+    position check, nor the CPU kernels of the inserted ops, which a GPU runs in Triton):
+    one after the prefill and one per verify step, whatever the batch."""
+    import sys
+
+    import dcp_compile as dcp
+    from dcp_compile.testing import agreeing_pair
+
+    group = dcp.init_group("cpu")
+    target, draft = agreeing_pair("eagle3", noise=3.0)
+    decoder = SpecDecoder(target, draft, group, k=3, max_batch=4, max_seq_len=96, temperature=0.7, lowering="aot_eager")
+    reads = []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "dcp_compile/runtime" in caller:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return original, read
+
+    names = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+    saved = {}
+    try:
+        for name in names:
+            saved[name], wrapper = counted(name)
+            setattr(torch.Tensor, name, wrapper)
+        outputs = decoder.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 11], 20)
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+    steps = max(len(o.accepted) for o in outputs)
+    assert steps > 3 and all(o.finished_by == "length" for o in outputs)
+    assert reads == ["tolist"] * (steps + 1), reads
