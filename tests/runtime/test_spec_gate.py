@@ -43,8 +43,12 @@ def test_eagle_gate(off_arm):
     assert seen == set(range(K + 1)), f"the batch must exercise every accept count 0..{K}, saw {sorted(seen)}"
 
 
-def test_sampling_gate():
-    off, dcp_arm = run(1, "eagle3", temperature=0.8, max_new_tokens=24), run(2, "eagle3", temperature=0.8, max_new_tokens=24)
+@pytest.mark.parametrize("size", [2, 3])
+def test_sampling_gate(size):
+    """Sampling draws on each rank's own device generator, seeded alike: no communication,
+    and still the off arm's tokens."""
+    off = run(1, "eagle3", temperature=0.8, max_new_tokens=24)
+    dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
 
 
