@@ -183,8 +183,12 @@ def flash_config(head_dim: int, element_size: int, window: bool) -> tuple[int, i
     return WINDOW_TILE if window else PREFIX_TILE
 
 
-def _check(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor) -> None:
-    """Refuse what the kernel cannot run, saying what it expected, what it got and the fix."""
+def check_inputs(
+    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention"
+) -> None:
+    """Refuse what a Triton attention kernel cannot run, saying what it expected, what it
+    got and the fix; ``form`` is ``"prefix"`` (``extra`` = kv_len) or ``"window"``
+    (``extra`` = positions); ``kernel`` names the kernel in the messages."""
     kv = ("k_cache", "v_cache") if form == "prefix" else ("k_new", "v_new")
     keys = "S" if form == "prefix" else "T"
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
@@ -202,13 +206,13 @@ def _check(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: 
         )
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(
-            f"the Triton flash-attention kernel needs a head dim D that is a power of two in [16, 256], got "
+            f"the Triton {kernel} kernel needs a head dim D that is a power of two in [16, 256], got "
             f"D={D}; pad q, {kv[0]} and {kv[1]} with zeros along D to {max(16, 1 << (D - 1).bit_length())} "
             f"(and keep the softmax scale of the original D), or run the reference on CPU"
         )
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"the Triton flash-attention kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
+            f"the Triton {kernel} kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
             f"got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one of those"
         )
     name, shape = ("kv_len", (B,)) if form == "prefix" else ("positions", (B, T))
@@ -279,7 +283,7 @@ def prefix_flash_triton(
     loop step), each one of ``BLOCK_SIZES``, override ``flash_config`` for tests and
     tuning.
     """
-    _check("prefix", q, k_cache, v_cache, kv_len)
+    check_inputs("prefix", q, k_cache, v_cache, kv_len)
     return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n)
 
 
@@ -297,7 +301,7 @@ def window_flash_triton(
 
     ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.
     """
-    _check("window", q, k_new, v_new, positions)
+    check_inputs("window", q, k_new, v_new, positions)
     return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
 
 

@@ -63,7 +63,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
 from dcp_compile.ops.attention import prefix_attention
-from dcp_compile.ops.triton_flash import prefix_flash_triton  # imports nothing of this module: no cycle
+from dcp_compile.ops.triton_flash import check_inputs, prefix_flash_triton  # imports nothing of this module: no cycle
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 64
@@ -178,34 +178,6 @@ def _merge_splits_kernel(
     tl.store(LSE + row, tl.where(seen, shift + tl.log(total_safe), float("-inf")))
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor) -> None:
-    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"prefix_attention expects q [B,Hq,T,D] and k_cache, v_cache [B,Hkv,S,D] of one shape; got q "
-            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    B, Hq, T, D = q.shape
-    Bk, Hkv, S, Dk = k_cache.shape
-    if Bk != B or Dk != D or Hq % Hkv:
-        raise ValueError(
-            f"prefix_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}: need the "
-            f"same B and D, and Hq a multiple of Hkv"
-        )
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(
-            f"the Triton prefix-attention kernel needs a head dim D that is a power of two in [16, 256], got "
-            f"D={D}; pad q, k_cache and v_cache with zeros along D to {max(16, 1 << (D - 1).bit_length())} "
-            f"(and keep the softmax scale of the original D), or run the reference on CPU"
-        )
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"the Triton prefix-attention kernel takes q, k_cache, v_cache of one dtype among "
-            f"{SUPPORTED_DTYPES}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    if kv_len.shape != (B,) or kv_len.dtype.is_floating_point or kv_len.dtype == torch.bool:
-        raise ValueError(f"kv_len must be an integer tensor [B={B}], got {kv_len.dtype} {tuple(kv_len.shape)}")
-
-
 def default_block_s(head_dim: int, element_size: int) -> int:
     """Slots per loop step: 128, or fewer where one stage would pass ``STAGE_BYTES``."""
     return min(128, STAGE_BYTES // (2 * head_dim * element_size))
@@ -249,7 +221,7 @@ def prefix_attention_triton(
     ``MAX_SPLITS``) and ``block_s`` (slots per loop step: 16, 32, 64 or 128) override
     ``split_plan`` and ``default_block_s``, for tests and tuning.
     """
-    _check(q, k_cache, v_cache, kv_len)
+    check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
     B, Hq, T, D = (int(n) for n in q.shape)
