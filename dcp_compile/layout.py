@@ -1,6 +1,6 @@
 """The KV layout: which rank owns a token position, and where it lives there.
 
-Notation (DESIGN section 2): ``N`` ranks, rank ``r``, interleave size ``I``,
+Notation: ``N`` ranks, rank ``r``, interleave size ``I``,
 global position ``p``, maximum sequence length ``S``.
 
 Positions are dealt to ranks in blocks of ``I`` consecutive tokens, round robin:
@@ -9,7 +9,7 @@ in increasing global order, so local slot order equals global order.  That is wh
 lets the prefix attention express "global position < start" as "local slot <
 local_length(start)".
 
-Every function here works on Python ints and, unchanged, on integer torch tensors
+Every method here works on Python ints and, unchanged, on integer torch tensors
 (``//``, ``%`` and ``clamp`` broadcast), so the graph passes insert exactly these
 formulas.  Nothing here touches torch.distributed.
 """
@@ -47,9 +47,14 @@ class KVLayout:
             )
 
     @property
+    def block(self) -> int:
+        """I * N: positions in one round of the round robin."""
+        return self.interleave * self.size
+
+    @property
     def local_capacity(self) -> int:
         """S_loc: real slots per rank (the trash slot comes after them)."""
-        return local_capacity(self.max_seq_len, self.size, self.interleave)
+        return self.capacity_of(self.max_seq_len, self.size, self.interleave)
 
     @property
     def trash_slot(self) -> int:
@@ -61,37 +66,31 @@ class KVLayout:
         """Slots in a local cache buffer: S_loc real slots plus the trash slot."""
         return self.local_capacity + 1
 
+    @staticmethod
+    def capacity_of(max_seq_len: int, size: int, interleave: int = 1) -> int:
+        """S_loc = ceil(S / (I*N)) * I real slots per rank, for planning without a rank."""
+        return -(-max_seq_len // (interleave * size)) * interleave
 
-def owner(p, size: int, interleave: int = 1):
-    """Rank that stores global position ``p``."""
-    return (p // interleave) % size
+    def owner(self, p):
+        """Rank that stores global position ``p``."""
+        return (p // self.interleave) % self.size
 
+    def local_slot(self, p):
+        """Slot of global position ``p`` on its owner."""
+        return (p // self.block) * self.interleave + p % self.interleave
 
-def local_slot(p, size: int, interleave: int = 1):
-    """Slot of global position ``p`` on its owner."""
-    return (p // (interleave * size)) * interleave + p % interleave
+    def global_position(self, slot):
+        """Global position held by this rank's local ``slot`` (inverse of owner and local_slot)."""
+        return (slot // self.interleave) * self.block + self.rank * self.interleave + slot % self.interleave
 
+    def local_length(self, length):
+        """How many of the first ``length`` global positions this rank stores.
 
-def local_capacity(max_seq_len: int, size: int, interleave: int = 1) -> int:
-    """S_loc = ceil(S / (I*N)) * I real slots per rank."""
-    block = interleave * size
-    return -(-max_seq_len // block) * interleave
-
-
-def global_position(slot, rank: int, size: int, interleave: int = 1):
-    """Global position held by local ``slot`` of ``rank`` (inverse of owner/local_slot)."""
-    return (slot // interleave) * interleave * size + rank * interleave + slot % interleave
-
-
-def local_length(length, rank: int, size: int, interleave: int = 1):
-    """How many of the first ``length`` global positions ``rank`` stores.
-
-    Because local slots are in global order, these are exactly slots ``[0, result)``.
-    """
-    block = interleave * size
-    tail = length % block - rank * interleave
-    if isinstance(tail, int):
-        tail = min(max(tail, 0), interleave)
-    else:
-        tail = tail.clamp(0, interleave)
-    return (length // block) * interleave + tail
+        Because local slots are in global order, these are exactly slots ``[0, result)``.
+        """
+        tail = length % self.block - self.rank * self.interleave
+        if isinstance(tail, int):
+            tail = min(max(tail, 0), self.interleave)
+        else:
+            tail = tail.clamp(0, self.interleave)
+        return (length // self.block) * self.interleave + tail

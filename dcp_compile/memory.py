@@ -25,7 +25,7 @@ from functools import cached_property
 
 import torch
 
-from dcp_compile.layout import local_capacity
+from dcp_compile.layout import KVLayout
 
 GiB = 1 << 30
 BASE_RESERVE_BYTES = 2 * GiB
@@ -40,7 +40,7 @@ def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens
     """Slots per sequence and layer that one rank's target cache holds."""
     if dcp_size == 1:
         return max_seq_len
-    return local_capacity(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
+    return KVLayout.capacity_of(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
 
 
 def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:

@@ -1,5 +1,6 @@
 """The arithmetic and parsing of the GPU benchmark scripts, which CI cannot run."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -49,8 +50,48 @@ def test_a_refused_single_gpu_point_reports_the_sharded_arm_alone():
     assert row["tokens_per_s_per_user"] == pytest.approx(50) and row["tokens_per_s_per_gpu"] == pytest.approx(200)
 
 
-def test_the_regime_plot_reads_the_recorded_log():
-    times = plot_regime.read_log(str(BENCHMARKS / "results" / "2026-11-30" / "e2e_decode.log"), batch=8)
-    assert sorted(times) == [1, 2]
-    assert sorted(times[1]) == sorted(times[2]) == [8192, 16384, 32768, 65536]
-    assert times[2][65536] == pytest.approx(13.711)
+# bench_e2e's stderr as a run leaves it: decode steps (T 1) of two sizes and two batches,
+# plus lines the plot must skip (the context-0 baseline, a verify step, a refusal, the
+# draft's timing, the scheduler's timeout).
+E2E_LOG = """\
+[00:04:25] size 2 batch 8 T 1 context 0: 6.037 ms
+[00:04:25] size 2 batch 8 T 1 context 8192: 7.624 ms
+[00:04:26] size 2 batch 8 T 1 context 65536: 13.711 ms
+[00:04:27] size 2 batch 8 T 4 context 8192: 9.250 ms
+[00:04:28] size 2 batch 1 T 1 context 8192: 6.820 ms
+[00:05:10] draft batch 8 k 3 context 8192: extend 1.250 ms, step 2.500 ms
+[00:06:49] size 1 batch 8 T 1 context 8192: 8.657 ms
+[00:06:50] size 1 batch 8 T 1 context 65536: 20.490 ms
+[00:06:51] size 1 batch 16 T 1: refused by the plan: does not fit
+Timeout (0:09:15)!
+"""
+
+
+def test_the_regime_plot_reads_decode_steps_from_a_log(tmp_path):
+    log = tmp_path / "e2e_decode.log"
+    log.write_text(E2E_LOG)
+    assert plot_regime.read_log(str(log), batch=8) == {
+        2: {8192: pytest.approx(7.624), 65536: pytest.approx(13.711)},
+        1: {8192: pytest.approx(8.657), 65536: pytest.approx(20.49)},
+    }
+    assert plot_regime.read_log(str(log), batch=1) == {2: {8192: pytest.approx(6.82)}}
+    assert plot_regime.read_log(str(log), batch=16) == {}
+
+
+def test_the_regime_plot_adds_refused_points_from_the_json(tmp_path):
+    log = tmp_path / "e2e_decode.log"
+    log.write_text(E2E_LOG)
+    summary = tmp_path / "e2e.json"
+    summary.write_text(json.dumps(dict(dcp_size=2, rows=[
+        dict(batch=16, tokens=1, context=131072, dcp1_ms=None, dcpn_ms=30.5),  # one GPU refused: drawn
+        dict(batch=8, tokens=1, context=8192, dcp1_ms=8.6, dcpn_ms=7.6),  # in the log already
+        dict(batch=16, tokens=4, context=131072, dcp1_ms=None, dcpn_ms=41.0),  # a verify step
+    ])))
+    times, refused = plot_regime.read_inputs([str(log), str(summary)])
+    assert times == {
+        (2, 8): {8192: pytest.approx(7.624), 65536: pytest.approx(13.711)},
+        (2, 1): {8192: pytest.approx(6.82)},
+        (1, 8): {8192: pytest.approx(8.657), 65536: pytest.approx(20.49)},
+        (2, 16): {131072: pytest.approx(30.5)},
+    }
+    assert refused == [(16, 131072)]

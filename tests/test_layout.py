@@ -4,7 +4,6 @@ import pytest
 import sympy
 import torch
 
-from dcp_compile import layout as L
 from dcp_compile.layout import KVLayout
 
 
@@ -12,25 +11,26 @@ from dcp_compile.layout import KVLayout
 @pytest.mark.parametrize("size,interleave", list(itertools.product(range(1, 5), (1, 2, 4))))
 def test_layout_exhaustive(size, interleave):
     for max_seq_len in range(size * interleave, 65):
-        capacity = L.local_capacity(max_seq_len, size, interleave)
+        ranks = [KVLayout(size, r, max_seq_len, interleave) for r in range(size)]
+        layout, capacity = ranks[0], ranks[0].local_capacity
         seen = {}
         for p in range(max_seq_len):
-            r, s = L.owner(p, size, interleave), L.local_slot(p, size, interleave)
+            r, s = layout.owner(p), layout.local_slot(p)
             assert 0 <= r < size and 0 <= s < capacity, (p, r, s)
             assert (r, s) not in seen, f"positions {seen[(r, s)]} and {p} share rank {r} slot {s}"
             seen[(r, s)] = p
-            assert L.global_position(s, r, size, interleave) == p
+            assert ranks[r].global_position(s) == p
         # every slot below capacity that maps to a real position maps back to its own slot
         for r in range(size):
             for s in range(capacity):
-                p = L.global_position(s, r, size, interleave)
+                p = ranks[r].global_position(s)
                 if p < max_seq_len:
                     assert seen[(r, s)] == p
         for length in range(max_seq_len + 1):
-            per_rank = [L.local_length(length, r, size, interleave) for r in range(size)]
+            per_rank = [ranks[r].local_length(length) for r in range(size)]
             assert sum(per_rank) == length
             for r in range(size):
-                owned = sorted(L.local_slot(p, size, interleave) for p in range(length) if L.owner(p, size, interleave) == r)
+                owned = sorted(layout.local_slot(p) for p in range(length) if layout.owner(p) == r)
                 assert owned == list(range(per_rank[r])), "a rank's first positions fill slots 0..len-1"
             assert max(per_rank) - min(per_rank) <= interleave, "interleaving keeps ranks within one block"
 
@@ -40,20 +40,28 @@ def test_layout_inverse_for_all_positions_symbolically():
     a = sympy.Symbol("a", integer=True, nonnegative=True)
     for size, interleave in itertools.product(range(1, 5), (1, 2, 3, 4)):
         for r, j in itertools.product(range(size), range(interleave)):
+            layout = KVLayout(size, r, size * interleave, interleave)
             p = (a * size + r) * interleave + j
-            assert sympy.simplify(L.owner(p, size, interleave) - r) == 0
-            slot = L.local_slot(p, size, interleave)
+            assert sympy.simplify(layout.owner(p) - r) == 0
+            slot = layout.local_slot(p)
             assert sympy.simplify(slot - (a * interleave + j)) == 0
-            assert sympy.simplify(L.global_position(slot, r, size, interleave) - p) == 0
+            assert sympy.simplify(layout.global_position(slot) - p) == 0
 
 
 def test_layout_formulas_work_on_tensors():
     p = torch.arange(64)
     for size, interleave in itertools.product(range(1, 5), (1, 2, 4)):
-        assert L.owner(p, size, interleave).tolist() == [L.owner(int(x), size, interleave) for x in p]
-        assert L.local_slot(p, size, interleave).tolist() == [L.local_slot(int(x), size, interleave) for x in p]
         for r in range(size):
-            assert L.local_length(p, r, size, interleave).tolist() == [L.local_length(int(x), r, size, interleave) for x in p]
+            layout = KVLayout(size, r, 64, interleave)
+            assert layout.owner(p).tolist() == [layout.owner(int(x)) for x in p]
+            assert layout.local_slot(p).tolist() == [layout.local_slot(int(x)) for x in p]
+            assert layout.global_position(p).tolist() == [layout.global_position(int(x)) for x in p]
+            assert layout.local_length(p).tolist() == [layout.local_length(int(x)) for x in p]
+
+
+def test_capacity_without_a_rank_is_the_layouts():
+    for size, interleave, max_seq_len in itertools.product(range(1, 5), (1, 2, 4), (16, 17, 63, 64)):
+        assert KVLayout.capacity_of(max_seq_len, size, interleave) == KVLayout(size, 0, max_seq_len, interleave).local_capacity
 
 
 def test_kvlayout_capacity_and_trash_slot():

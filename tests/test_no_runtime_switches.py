@@ -3,8 +3,9 @@
 The role and group of a compiled graph are fixed when it is compiled; there is no
 "dcp enabled" flag to flip around draft calls.  This scans the package source for the
 ways such a switch could exist: ``global``/``nonlocal`` rebinding, assignments into
-another module's attributes (``torch._dynamo.config.x = ...``), and module-level
-mutable state other than the prepare-time cache registry.
+another module's attributes (``torch._dynamo.config.x = ...``), module-level mutable
+state other than the prepare-time registries, and writes to those registries from
+anywhere but prepare time.
 """
 
 import ast
@@ -13,8 +14,8 @@ from pathlib import Path
 import dcp_compile
 
 PACKAGE = Path(dcp_compile.__file__).parent
-# Written only by dcp.prepare (one record per cache buffer), read only at compile time.
-# The prepare-time registries: KV cache records, and the causal-mask tables prepare checked.
+# The prepare-time registries (one record per KV cache buffer, one name per causal-mask
+# table prepare checked), read only at compile time.
 ALLOWED_MODULE_STATE = {("runtime/caches.py", "_records"), ("runtime/caches.py", "_tables")}
 
 
@@ -48,7 +49,7 @@ def test_no_assignment_into_other_modules():
     assert found == []
 
 
-def test_module_level_mutable_state_is_only_the_prepare_registry():
+def test_module_level_mutable_state_is_only_the_prepare_time_registries():
     mutable_calls = {"dict", "list", "set", "WeakIdKeyDictionary", "WeakKeyDictionary", "defaultdict", "OrderedDict"}
     found = set()
     for name, tree in sources():
@@ -64,12 +65,35 @@ def test_module_level_mutable_state_is_only_the_prepare_registry():
     assert found == ALLOWED_MODULE_STATE
 
 
-def test_the_registry_is_written_only_by_prepare():
-    # dcp_compile/hf.py's DCPStaticCache is prepare for caches HF keeps outside modules:
-    # it registers them once, when it allocates them.
-    writers = set()
+REGISTRY_WRITERS = ("register", "register_table")
+# dcp_compile/hf.py's DCPStaticCache is prepare for caches HF keeps outside modules: it
+# registers them once, when it allocates them.
+PREPARE_TIME = {("runtime/prepare.py", "prepare"), ("hf.py", "DCPStaticCache.__init__")}
+
+
+def calls_in_scope(tree, scope=""):
+    """``(enclosing def/class path, call)`` for every call in ``tree``; a function
+    defined inside another (a hook, a closure) is a scope of its own."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield from calls_in_scope(child, f"{scope}.{child.name}" if scope else child.name)
+            continue
+        if isinstance(child, ast.Call):
+            yield scope, child
+        yield from calls_in_scope(child, scope)
+
+
+def test_the_registries_are_written_only_at_prepare_time():
+    callers = set()
     for name, tree in sources():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("register", "register_table"):
-                writers.add(name)
-    assert writers == {"runtime/prepare.py", "hf.py"}
+        # register(...), caches.register(...) and any alias the module imports them as
+        aliases = {
+            a.asname for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name in REGISTRY_WRITERS and a.asname
+        }
+        for scope, call in calls_in_scope(tree):
+            func = call.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if called in REGISTRY_WRITERS or called in aliases:
+                callers.add((name, scope))
+    assert callers == PREPARE_TIME

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from dcp_compile import training
-from dcp_compile.models.pretrained import load_config, load_pair
+from dcp_compile.models.pretrained import load_pair
 
 
 def held_out_windows(n=4, length=256):
@@ -17,7 +17,6 @@ def test_shipped_pair_loads_with_the_servers_cache_shape():
     assert target.layers[0].attention.k_cache.shape == (3, 2, 100, 64)
     assert draft.attention.k_cache.shape == (3, 2, 100, 64)
     assert draft.cfg.kind == "eagle3" and target.cfg.aux_layers == (2, 4, 5)
-    assert load_config("tiny-code")["training"]["final"]["target_held_out_loss"] < 1.0
 
 
 def test_target_predicts_held_out_files_far_better_than_chance():

@@ -11,8 +11,9 @@ Draft (no rewrite):
 - zero collectives in the graph;
 - every KV write still stores at the positions it stored before the passes ran.
 
-Never modifies the graph; raises ``AssertionError`` (a broken project invariant, not a
-user error) naming the offending node.
+Never modifies the graph; raises ``InvariantError`` (a broken project invariant, not a
+user error) naming the offending node.  A real exception, not ``assert``: the checks
+must still run under ``python -O``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from dcp_compile.passes.kv_index import cache_BHSD, local_slots, positions_node,
 from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, merge_exchanged, merge_gathered
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+class InvariantError(RuntimeError):
+    """The passes left a graph that breaks an invariant of this module: a bug in dcp-compile."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)
 
 
 def is_collective(node) -> bool:
@@ -46,28 +56,30 @@ def check_target(gm: GraphModule, plan: Plan, comm: str = "ag", size: int = 2) -
     counts = count_targets(gm)
     sites = len(plan.sites)
     merge = merge_exchanged if comm == "a2a" and size > 1 else merge_gathered
-    assert counts[merge] == sites, f"expected {sites} merges, found {counts[merge]}"
+    _require(counts[merge] == sites, f"expected {sites} merges, found {counts[merge]}")
     expected_ag = sites if size > 1 else 0
-    assert counts[ALL_GATHER] == expected_ag, f"expected {expected_ag} all-gathers, found {counts[ALL_GATHER]}"
+    _require(counts[ALL_GATHER] == expected_ag, f"expected {expected_ag} all-gathers, found {counts[ALL_GATHER]}")
     expected_a2a = sites if comm == "a2a" and size > 1 else 0
-    assert counts[ALL_TO_ALL] == expected_a2a, f"expected {expected_a2a} all-to-alls, found {counts[ALL_TO_ALL]}"
+    _require(counts[ALL_TO_ALL] == expected_a2a, f"expected {expected_a2a} all-to-alls, found {counts[ALL_TO_ALL]}")
     for write in plan.writes:
         stored_at = positions_node(write.node, write.index)
         # A group of one owns every position: its slots are the global positions.
-        assert size == 1 or stored_at.target in (local_slots, staging_slots), (
-            f"KV write {where(write.node)} still stores at global positions"
+        _require(
+            size == 1 or stored_at.target in (local_slots, staging_slots),
+            f"KV write {where(write.node)} still stores at global positions",
         )
         for user in write.cache.node.users:
             ok = user is write.node or (user.target is cache_BHSD and user.op == "call_function")
-            assert ok, f"KV cache {write.cache.name} is still read in full by {where(user)}"
+            _require(ok, f"KV cache {write.cache.name} is still read in full by {where(user)}")
     return gm
 
 
 def check_draft(gm: GraphModule, plan: Plan) -> GraphModule:
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
-    assert not collectives, f"draft graph holds collectives: {[where(n) for n in collectives]}"
+    _require(not collectives, f"draft graph holds collectives: {[where(n) for n in collectives]}")
     for write in plan.writes:
-        assert positions_node(write.node, write.index) is write.positions, (
-            f"draft KV write {where(write.node)} no longer stores at its own positions"
+        _require(
+            positions_node(write.node, write.index) is write.positions,
+            f"draft KV write {where(write.node)} no longer stores at its own positions",
         )
     return gm

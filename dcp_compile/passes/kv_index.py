@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from dcp_compile import layout as kvlayout
+from dcp_compile.layout import KVLayout
 from dcp_compile.passes.fx_utils import GraphPatternError, arg, op_name, shape_of, where
 
 WRITE_KINDS = ("index_copy_", "index_put_", "setitem")
@@ -250,9 +250,9 @@ def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: in
     Positions outside ``[0, max_seq_len)`` also go to the trash slot, so a bad position
     can never land in another token's slot (the backend reports it before the call).
     """
-    trash = kvlayout.local_capacity(max_seq_len, size, interleave)
-    mine = (kvlayout.owner(positions, size, interleave) == rank) & (positions >= 0) & (positions < max_seq_len)
-    return torch.where(mine, kvlayout.local_slot(positions, size, interleave), trash)
+    layout = KVLayout(size, rank, max_seq_len, interleave)
+    mine = (layout.owner(positions) == rank) & (positions >= 0) & (positions < max_seq_len)
+    return torch.where(mine, layout.local_slot(positions), layout.trash_slot)
 
 
 def staging_slots(positions: torch.Tensor, *, shape, tags, first_slot: int) -> torch.Tensor:
@@ -268,7 +268,9 @@ def staging_slots(positions: torch.Tensor, *, shape, tags, first_slot: int) -> t
     return slots
 
 
-def prefix_lengths(positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int) -> torch.Tensor:
+def prefix_lengths(
+    positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int
+) -> torch.Tensor:
     """Local slots holding global positions before each sequence's first new token, ``[B]``."""
     start = positions_BT.amin(dim=1)
-    return kvlayout.local_length(start, rank, size, interleave)
+    return KVLayout(size, rank, max_seq_len, interleave).local_length(start)

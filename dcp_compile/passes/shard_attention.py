@@ -94,7 +94,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
     graph = gm.graph
     k_write, v_write = site.k_write, site.v_write
     batch = k_write.index.batch
-    sharding = dict(size=layout.size, rank=layout.rank, interleave=layout.interleave)
+    sharding = dict(size=layout.size, rank=layout.rank, interleave=layout.interleave, max_seq_len=layout.max_seq_len)
     out_dtype = fake_value(site.node).dtype
     old_inputs = list(site.node.all_input_nodes)
     with graph.inserting_before(site.node):

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dcp_compile import layout as kvlayout
 from dcp_compile.layout import KVLayout
 from dcp_compile.memory import GiB, CapacityError
 from dcp_compile.ops.guard import guard
@@ -234,7 +233,7 @@ def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """The columns of ``mask`` for this rank's slots; the trash column and slots past the
     end are fully masked."""
     slots = torch.arange(layout.local_cache_len, device=mask.device)
-    positions = kvlayout.global_position(slots, layout.rank, layout.size, layout.interleave)
+    positions = layout.global_position(slots)
     real = (slots < layout.local_capacity) & (positions < layout.max_seq_len)
     columns = mask.index_select(-1, torch.where(real, positions, 0))
     blocked = torch.zeros((), dtype=mask.dtype) if mask.dtype == torch.bool else torch.tensor(float("-inf"), dtype=mask.dtype)

@@ -8,7 +8,7 @@ import torch
 from dcp_compile import training
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig, eagle3_aux_layers
 from dcp_compile.models.llama import init_weights
-from dcp_compile.models.pretrained import load_pair
+from dcp_compile.models.pretrained import load_config, load_pair
 from dcp_compile.testing import FP32_TOLERANCE, make_model
 
 
@@ -62,6 +62,7 @@ def test_smoke_training_writes_a_loadable_pair_whose_loss_went_down(tmp_path):
     history = json.loads((tmp_path / "history.json").read_text())
     assert history["target"][-1][1] < history["target"][0][1]
     assert len(record["final"]["draft_step_losses"]) == cfg.ttt_steps
+    assert load_config(tmp_path)["training"]["final"] == record["final"], "config.json carries what training measured"
     target, draft = load_pair(tmp_path, max_batch=2, max_seq_len=32)
     assert target.cfg.dim == cfg.dim and target.cfg.max_seq_len == 32 and draft.cfg.kind == "eagle3"
     torch.testing.assert_close(draft.embed.weight, target.tok_embeddings.weight)

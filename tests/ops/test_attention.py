@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from dcp_compile import layout as L
+from dcp_compile.layout import KVLayout
 from dcp_compile.ops import attention_with_lse, lse_merge, prefix_attention, window_attention
 
 
@@ -79,10 +79,10 @@ def test_cascade_equals_full_causal_attention(size, interleave, tokens):
 
     partials = []
     for rank in range(size):
-        layout = L.KVLayout(size, rank, max_len, interleave)
-        slot_positions = L.global_position(torch.arange(layout.local_capacity), rank, size, interleave).clamp(max=max_len - 1)
+        layout = KVLayout(size, rank, max_len, interleave)
+        slot_positions = layout.global_position(torch.arange(layout.local_capacity)).clamp(max=max_len - 1)
         local_k, local_v = keys[:, :, slot_positions], values[:, :, slot_positions]
-        kv_len = L.local_length(starts, rank, size, interleave)
+        kv_len = layout.local_length(starts)
         partials.append(prefix_attention(q, local_k, local_v, kv_len, 0.3))
     partials.append(window_attention(q, k_new, v_new, positions, 0.3))
     out, lse = lse_merge(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))

@@ -1,5 +1,7 @@
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import GQA_FORMS
@@ -85,3 +87,90 @@ def test_batch_index_must_be_arange():
     gm, _ = capture_graph(module, *graphs.inputs_for(module))
     with pytest.raises(GraphPatternError, match=r"expected torch.arange\(2\)"):
         find(gm)
+
+
+class WriteIntoView(graphs.GptFastStyle):
+    """Stores row 0's keys through ``k_cache[0]``, a view, not the cache buffer."""
+
+    def forward(self, x, input_pos):
+        _, k, _ = self.project(x)
+        self.k_cache[0][:, input_pos] = k[0].transpose(0, 1)
+        return self.k_cache.sum()
+
+
+class TwoWrites(graphs.GptFastStyle):
+    def forward(self, x, input_pos):
+        q, k, _ = self.store(x, input_pos)
+        self.k_cache[:, :, input_pos + 1] = k
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
+
+
+class KeysAsValues(graphs.GptFastStyle):
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.k_cache, enable_gqa=True)
+
+
+class KVAtTwoPositions(graphs.GptFastStyle):
+    """Keys stored at the positions, values at the same positions in reverse order."""
+
+    def forward(self, x, input_pos):
+        q, k, v = self.project(x)
+        self.k_cache[:, :, input_pos] = k.transpose(1, 2)
+        self.v_cache[:, :, input_pos.flip(0)] = v.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
+
+
+class Dropout(graphs.GptFastStyle):
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, dropout_p=0.1, enable_gqa=True)
+
+
+class FlexOverCache(graphs.GptFastStyle):
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        return flex_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
+
+
+class FirstHalfOfCache(graphs.GptFastStyle):
+    """Attends to the cache's first half: a slice along the sequence, not a layout view."""
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        half = graphs.S // 2
+        return F.scaled_dot_product_attention(q, self.k_cache[:, :, :half], self.v_cache[:, :, :half], enable_gqa=True)
+
+
+REFUSED = [
+    (WriteIntoView, r"writes into a view of graph input .*k_cache.*; expected KV writes into the cache buffer itself"),
+    (TwoWrites, r"k_cache.* is written 2 times in one graph .*expected one write per cache per forward"),
+    (KeysAsValues, r"reads one cache \(.*k_cache.*\) as both keys and values"),
+    (KVAtTwoPositions, r"reads caches written at different position tensors"),
+    (Dropout, r"uses dropout; dcp-compile compiles inference graphs"),
+    (FlexOverCache, r"flex_attention over a KV cache .* is not supported yet"),
+    (FirstHalfOfCache, r"reads KV cache .*k_cache.* through 'getitem' .*, a view the passes do not understand"),
+]
+
+
+@pytest.mark.parametrize("module_cls,expected", REFUSED, ids=[cls.__name__ for cls, _ in REFUSED])
+def test_find_refuses_what_it_cannot_shard(module_cls, expected):
+    module = module_cls()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    with pytest.raises(GraphPatternError, match=expected) as error:
+        find(gm)
+    assert "test_find.py:" in str(error.value), "the error names the user's line"
+
+
+def test_a_write_into_a_tensor_made_in_the_graph_is_no_cache():
+    class Scratch(graphs.GptFastStyle):
+        def forward(self, x, input_pos):
+            _, k, _ = self.project(x)
+            scratch = torch.zeros(graphs.B, graphs.HKV, graphs.S, graphs.D)
+            scratch[0][:, input_pos] = k[0].transpose(0, 1)
+            return scratch.sum()
+
+    module = Scratch()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    plan = find(gm)
+    assert plan.caches == () and plan.writes == () and plan.sites == ()

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import check_target, find, shard_attention, shard_kv_writes
-from dcp_compile.passes.check import count_collectives, count_targets
+from dcp_compile.passes.check import InvariantError, count_collectives, count_targets
 from dcp_compile.passes.fx_utils import is_sdpa
 from dcp_compile.passes.kv_index import cache_BHSD
 from dcp_compile.passes.shard_attention import (
@@ -71,7 +71,7 @@ def test_all_to_all_form_exchanges_then_gathers_merged_heads():
     counts = count_targets(gm)
     assert counts[ALL_TO_ALL] == counts[ALL_GATHER] == counts[merge_exchanged] == cfg.n_layers
     assert counts[merge_gathered] == 0
-    with pytest.raises(AssertionError, match="expected 2 merges, found 0"):
+    with pytest.raises(InvariantError, match="expected 2 merges, found 0"):
         check_target(gm, plan, comm="ag")
 
 
@@ -88,14 +88,24 @@ def test_attention_over_in_graph_tensors_is_not_rewritten():
             out = super().forward(x, input_pos)
             return F.scaled_dot_product_attention(out, out, out)
 
-    gm, plan = sharded(Mixed())
-    sdpas = [n for n in gm.graph.nodes if is_sdpa(n)]
-    assert len(plan.sites) == 1 and len(sdpas) == 1
-    assert sdpas[0].args[0].target is torch.ops.aten.add.Tensor or sdpas[0].args[1] is sdpas[0].args[0]
+    module = Mixed()
+    gm, _ = capture_graph(module, *graphs.inputs_for(module))
+    plan = find(gm)
+    (site,) = plan.sites
+    (in_graph,) = [n for n in gm.graph.nodes if is_sdpa(n) and n is not site.node]
+    layout = KVLayout(2, 0, graphs.S)
+    shard_kv_writes(gm, plan, layout=layout)
+    shard_attention(gm, plan, layout=layout, group_name="test-group")
+    assert [n for n in gm.graph.nodes if is_sdpa(n)] == [in_graph], "the in-graph attention stays, as the same node"
+    counts = count_targets(gm)
+    assert counts[PREFIX_ATTENTION] == counts[ALL_GATHER] == counts[merge_gathered] == 1, "only the site is sharded"
+    (merged,) = [n for n in gm.graph.nodes if n.target is merge_gathered]
+    assert in_graph.args == (merged, merged, merged) and in_graph.kwargs == {}, "it now reads the cascade's output"
+    check_target(gm, plan)
 
 
 def test_check_target_rejects_an_unsharded_graph():
     module = graphs.GptFastStyle()
     gm, _ = capture_graph(module, *graphs.inputs_for(module))
-    with pytest.raises(AssertionError, match="expected 1 merges, found 0"):
+    with pytest.raises(InvariantError, match="expected 1 merges, found 0"):
         check_target(gm, find(gm))

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from dcp_compile import layout as L
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import find, shard_kv_writes
 from dcp_compile.passes.kv_index import local_slots, positions_node
@@ -43,7 +42,7 @@ def test_local_slots_owner_or_trash(size, interleave):
         layout = KVLayout(size, rank, max_seq_len, interleave)
         slots = local_slots(positions, size=size, rank=rank, interleave=interleave, max_seq_len=max_seq_len)
         for p, s in zip(positions.tolist(), slots.tolist()):
-            if 0 <= p < max_seq_len and L.owner(p, size, interleave) == rank:
-                assert s == L.local_slot(p, size, interleave) < layout.local_capacity
+            if 0 <= p < max_seq_len and layout.owner(p) == rank:
+                assert s == layout.local_slot(p) < layout.local_capacity
             else:
                 assert s == layout.trash_slot, f"position {p} must go to the trash slot on rank {rank}"
