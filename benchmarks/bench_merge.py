@@ -27,9 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dcp_compile.passes.shard_attention import (
-    ALL_GATHER, ALL_TO_ALL, WAIT, join_heads, merge_exchanged, merge_gathered, pack_partial, split_heads,
-)
+from dcp_compile.ops.cascade import join_heads, merge_exchanged, merge_gathered, pack_partial, split_heads
+from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, WAIT
 from _report import leave, parse_with_watchdog, report
 
 

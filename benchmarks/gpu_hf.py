@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.hf import DCPStaticCache, cache_kwarg
-from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.group import DCPGroup
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)

@@ -34,8 +34,8 @@ from dcp_compile.passes.find import Plan
 from dcp_compile.passes.pipeline import PassTiming
 from dcp_compile.passes.shard_attention import COMMS
 from dcp_compile.passes.fx_utils import GraphPatternError, where
-from dcp_compile.runtime.caches import ROLES, CacheRecord, is_checked_table, record_for
-from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.records import ROLES, CacheRecord, is_checked_table, record_for
+from dcp_compile.group import DCPGroup
 
 LOWERINGS = ("inductor", "aot_eager")
 

@@ -52,8 +52,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from dcp_compile.layout import KVLayout
 from dcp_compile.models.llama import LlamaConfig
 from dcp_compile.ops.guard import guard
-from dcp_compile.runtime.caches import CacheRecord, register
-from dcp_compile.runtime.group import DCPGroup
+from dcp_compile.records import CacheRecord, register
+from dcp_compile.group import DCPGroup
 
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import dcp_compile as dcp
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import GraphPatternError
-from dcp_compile.runtime.caches import CacheRecord, register
+from dcp_compile.records import CacheRecord, register
 from dcp_compile.testing import capture_graph
 from tests.passes import graphs
 from tests.passes.graphs import B, D, HKV, HQ, S

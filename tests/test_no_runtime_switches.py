@@ -16,7 +16,7 @@ import dcp_compile
 PACKAGE = Path(dcp_compile.__file__).parent
 # The prepare-time registries (one record per KV cache buffer, one name per causal-mask
 # table prepare checked), read only at compile time.
-ALLOWED_MODULE_STATE = {("runtime/caches.py", "_records"), ("runtime/caches.py", "_tables")}
+ALLOWED_MODULE_STATE = {("records.py", "_records"), ("records.py", "_tables")}
 
 
 def sources():

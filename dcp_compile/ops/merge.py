@@ -6,7 +6,7 @@ A partial attention over a key set ``K_i`` returns ``out_i = softmax(s_i) @ V_i`
     lse = logsumexp_i(lse_i)
     out = sum_i exp(lse_i - lse) * out_i
 
-IEEE conventions (DESIGN section 3), which every inserted merge relies on:
+IEEE conventions, which every inserted merge relies on:
 - a partial with no keys has ``lse = -inf``; its ``out`` is ignored, even if it is NaN;
 - a ``+inf`` or NaN lse is treated as ``-inf`` (no keys), never propagated;
 - merging only empty partials gives ``out = 0`` and ``lse = -inf``, with no NaN.

@@ -1,4 +1,4 @@
-"""The FX passes: find -> shard_kv_writes -> shard_attention -> check (see DESIGN section 4)."""
+"""The FX passes: find -> shard_kv_writes -> shard_attention -> check (invariants: README.md beside this file)."""
 
 from dcp_compile.passes.check import check_draft, check_target
 from dcp_compile.passes.find import AttentionSite, KVCache, KVWrite, Plan, find

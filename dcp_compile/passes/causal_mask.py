@@ -399,24 +399,3 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
             f"token). Sliding-window, chunked and padding masks are not supported under DCP, which shards full "
             f"causal attention only"))
     return MaskProof(tables=tuple(dict.fromkeys(interpreter.tables)))
-
-
-def is_lower_triangular(table: torch.Tensor, rows_per_block: int = 1024) -> bool:
-    """``table[p, s] == (s <= p)`` (bool) or ``0`` / ``-inf``-like (additive) for every entry."""
-    if table.dim() != 2:
-        return False
-    n_rows, n_cols = table.shape
-    slots = torch.arange(n_cols, device=table.device)
-    for start in range(0, n_rows, rows_per_block):
-        rows = torch.arange(start, min(start + rows_per_block, n_rows), device=table.device)
-        allowed = slots[None, :] <= rows[:, None]
-        block = table[start : start + len(rows)]
-        if table.dtype == torch.bool:
-            ok = torch.equal(block, allowed)
-        else:
-            ok = bool(((block == 0) == allowed).all()) and bool((block[~allowed] <= -1e4).all())
-        if not ok:
-            return False
-    return True
-
-

@@ -24,8 +24,9 @@ from torch.fx import GraphModule
 
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.fx_utils import where
-from dcp_compile.passes.kv_index import cache_BHSD, local_slots, positions_node, staging_slots
-from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, merge_exchanged, merge_gathered
+from dcp_compile.ops.cascade import cache_BHSD, local_slots, merge_exchanged, merge_gathered, staging_slots
+from dcp_compile.passes.kv_index import positions_node
+from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
 

@@ -1,5 +1,4 @@
-"""How a KV write addresses its cache, reduced to static facts, and the helpers that
-turn the written values back into the canonical forms the cascade needs.
+"""How a KV write addresses its cache, reduced to static facts.
 
 A KV cache is a 4-D buffer with the batch first, the head size last, and the heads and
 the sequence in the middle (``[B, H, S, D]`` as in gpt-fast and Hugging Face, or
@@ -10,9 +9,9 @@ that every sequence has its own positions.
 
 ``analyse_write`` applies numpy's advanced-indexing rules to the write's static shapes
 to learn which axis of the written value is the batch, the heads, the new tokens and
-the head size.  ``window_kv`` and ``window_positions`` then rebuild ``[B, H, T, D]``
-and ``[B, T]`` from the very tensors the write stored, so the window attention sees
-exactly what an unsharded cache would have held.
+the head size.  From those facts ``ops.cascade.window_kv`` and ``window_positions``
+rebuild ``[B, H, T, D]`` and ``[B, T]`` at step time from the very tensors the write
+stored, so the window attention sees exactly what an unsharded cache would have held.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from dcp_compile.layout import KVLayout
 from dcp_compile.passes.fx_utils import GraphPatternError, arg, op_name, shape_of, where
 
 WRITE_KINDS = ("index_copy_", "index_put_", "setitem")
@@ -212,65 +210,3 @@ def replace_positions(write: Node, index: WriteIndex, new_positions: Node) -> No
         else:
             args[1] = new_positions
     write.args = tuple(args)
-
-
-def _canonical(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
-    """Broadcast ``x`` to ``shape``, drop unit axes and permute the tagged axes into ``order``."""
-    x = x.expand(shape)
-    keep = [i for i, t in enumerate(tags) if t != "1"]
-    x = x.reshape([shape[i] for i in keep])
-    kept = [tags[i] for i in keep]
-    if "T" not in kept:
-        x = x.unsqueeze(-1)
-        kept.append("T")
-    if "B" not in kept:
-        x = x.expand(batch, *x.shape)
-        kept.insert(0, "B")
-    return x.permute([kept.index(t) for t in order])
-
-
-def window_positions(positions: torch.Tensor, *, shape, tags, batch: int) -> torch.Tensor:
-    """Global positions of the new tokens, ``[B, T]``."""
-    return _canonical(positions, shape, tags, "BT", batch)
-
-
-def window_kv(value: torch.Tensor, *, shape, tags, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """The new tokens' keys or values as the cache stores them, ``[B, H, T, D]``."""
-    return _canonical(value.to(dtype), shape, tags, "BHTD", batch)
-
-
-def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
-    """View a cache buffer as ``[B, H, S, D]``."""
-    return cache if seq_dim == 2 else cache.transpose(1, 2)
-
-
-def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:
-    """Where this rank stores each global position: its owner slot, or the trash slot.
-
-    Positions outside ``[0, max_seq_len)`` also go to the trash slot, so a bad position
-    can never land in another token's slot (the backend reports it before the call).
-    """
-    layout = KVLayout(size, rank, max_seq_len, interleave)
-    mine = (layout.owner(positions) == rank) & (positions >= 0) & (positions < max_seq_len)
-    return torch.where(mine, layout.local_slot(positions), layout.trash_slot)
-
-
-def staging_slots(positions: torch.Tensor, *, shape, tags, first_slot: int) -> torch.Tensor:
-    """Slots a verify graph parks its new tokens in: the ``t``-th new token of every
-    sequence goes to ``first_slot + t``, whoever owns its position.  A commit later moves
-    the accepted ones to their owner slots, so rejected (or tree) tokens never land in a
-    slot that attention reads."""
-    slots = torch.full(shape, first_slot, dtype=positions.dtype, device=positions.device)
-    if "T" in tags:
-        axis = tags.index("T")
-        steps = torch.arange(shape[axis], dtype=positions.dtype, device=positions.device)
-        slots = slots + steps.view([shape[axis] if i == axis else 1 for i in range(len(shape))])
-    return slots
-
-
-def prefix_lengths(
-    positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int
-) -> torch.Tensor:
-    """Local slots holding global positions before each sequence's first new token, ``[B]``."""
-    start = positions_BT.amin(dim=1)
-    return KVLayout(size, rank, max_seq_len, interleave).local_length(start)

@@ -1,4 +1,4 @@
-"""shard_attention: every target attention becomes the cascade of DESIGN section 3.
+"""shard_attention: every target attention becomes the prefix + window + merge cascade.
 
 Precondition: ``plan`` came from ``find`` on this ``gm``; ``shard_kv_writes`` may or may
 not have run (the cascade reads only slots before each sequence's first new token,
@@ -30,12 +30,14 @@ import operator
 import torch
 from torch.fx import GraphModule
 
-from dcp_compile.layout import KVLayout
 import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
-from dcp_compile.ops.merge import lse_merge
+from dcp_compile.layout import KVLayout
+from dcp_compile.ops.cascade import (
+    cache_BHSD, join_heads, merge_exchanged, merge_gathered, pack_partial, prefix_lengths, split_heads, window_kv,
+    window_positions,
+)
 from dcp_compile.passes.find import AttentionSite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
-from dcp_compile.passes.kv_index import cache_BHSD, prefix_lengths, window_kv, window_positions
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -48,46 +50,6 @@ rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of 
 heads (all-to-all), merges those, then all-gathers the merged heads (in the output
 dtype).  a2a moves fewer bytes and merges 1/N of the heads per rank, for a second
 collective per layer; which wins is measured (``benchmarks/bench_merge.py``)."""
-
-
-def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``[B,H,T,D]`` fp32 and ``[B,H,T]`` fp32 -> ``[B,H,T,D+1]``: one payload, one collective."""
-    return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
-
-
-def merge_gathered(
-    gathered: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Merge the ``size`` gathered prefixes (rank order) and the window; cast to ``dtype``."""
-    partials = gathered.view(size, *window_out.shape[:-1], window_out.shape[-1] + 1)
-    outs = torch.cat([partials[..., :-1], window_out.unsqueeze(0)], dim=0)
-    lses = torch.cat([partials[..., -1], window_lse.unsqueeze(0)], dim=0)
-    out, _ = lse_merge(outs, lses)
-    return out.to(dtype)
-
-
-def split_heads(packed: torch.Tensor, *, size: int) -> torch.Tensor:
-    """``[B, H, T, D+1]`` -> ``[size, B, H/size, T, D+1]``: row ``j`` is what rank ``j`` merges."""
-    B, H, T, W = packed.shape
-    return packed.view(B, size, H // size, T, W).movedim(1, 0).contiguous()
-
-
-def merge_exchanged(
-    exchanged: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, rank: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Merge this rank's heads: every rank's prefix (rank order) and the window; ``[B, H/size, T, D]``."""
-    heads = window_out.shape[1] // size
-    own = slice(rank * heads, (rank + 1) * heads)
-    outs = torch.cat([exchanged[..., :-1], window_out[:, own].unsqueeze(0)], dim=0)
-    lses = torch.cat([exchanged[..., -1], window_lse[:, own].unsqueeze(0)], dim=0)
-    out, _ = lse_merge(outs, lses)
-    return out.to(dtype).contiguous()
-
-
-def join_heads(gathered: torch.Tensor, *, size: int) -> torch.Tensor:
-    """``[size * B, H/size, T, D]`` (rank-major) -> ``[B, H, T, D]``."""
-    _, heads, T, D = gathered.shape
-    return gathered.view(size, -1, heads, T, D).movedim(0, 1).reshape(-1, size * heads, T, D)
 
 
 def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str) -> None:

@@ -23,7 +23,8 @@ from torch.fx import GraphModule
 
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes.find import Plan
-from dcp_compile.passes.kv_index import local_slots, replace_positions, staging_slots
+from dcp_compile.ops.cascade import local_slots, staging_slots
+from dcp_compile.passes.kv_index import replace_positions
 
 
 def shard_kv_writes(gm: GraphModule, plan: Plan, *, layout: KVLayout, staging_first_slot: int | None = None) -> GraphModule:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dcp_compile.passes.kv_index import cache_BHSD, local_slots
-from dcp_compile.runtime.caches import CacheRecord, record_for
+from dcp_compile.ops.cascade import cache_BHSD, local_slots
+from dcp_compile.records import CacheRecord, record_for
 
 
 class KVCommit(nn.Module):

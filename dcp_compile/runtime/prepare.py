@@ -33,11 +33,10 @@ from torch import nn
 from dcp_compile.layout import KVLayout
 from dcp_compile.memory import GiB, CapacityError
 from dcp_compile.ops.guard import guard
-from dcp_compile.passes.causal_mask import is_lower_triangular
 from dcp_compile.passes.find import find
 from dcp_compile.passes.fx_utils import GraphPatternError
-from dcp_compile.runtime.caches import ROLES, CacheRecord, record_for, register, register_table
-from dcp_compile.runtime.group import DCPGroup, gather_from_ranks
+from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_table
+from dcp_compile.group import DCPGroup, gather_from_ranks
 
 _TOKEN_ARGS = ("tokens", "input_ids", "idx", "token_ids")
 _ROW_POSITION_ARGS = ("positions", "position_ids")
@@ -227,6 +226,25 @@ def _check_free_memory(device: torch.device, pending: list, rank: int) -> None:
             f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB. Choose a batch x context that fits with "
             f"dcp.MemoryPlanner, or shard it over more ranks"
         )
+
+
+def is_lower_triangular(table: torch.Tensor, rows_per_block: int = 1024) -> bool:
+    """``table[p, s] == (s <= p)`` (bool) or ``0`` / ``-inf``-like (additive) for every entry."""
+    if table.dim() != 2:
+        return False
+    n_rows, n_cols = table.shape
+    slots = torch.arange(n_cols, device=table.device)
+    for start in range(0, n_rows, rows_per_block):
+        rows = torch.arange(start, min(start + rows_per_block, n_rows), device=table.device)
+        allowed = slots[None, :] <= rows[:, None]
+        block = table[start : start + len(rows)]
+        if table.dtype == torch.bool:
+            ok = torch.equal(block, allowed)
+        else:
+            ok = bool(((block == 0) == allowed).all()) and bool((block[~allowed] <= -1e4).all())
+        if not ok:
+            return False
+    return True
 
 
 def _local_mask(mask: torch.Tensor, layout: KVLayout) -> torch.Tensor:

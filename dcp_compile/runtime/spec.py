@@ -35,7 +35,7 @@ from torch import nn
 from dcp_compile.backend import backend as make_backend
 from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks
-from dcp_compile.runtime.group import DCPGroup, ranks_that_differ
+from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 
 

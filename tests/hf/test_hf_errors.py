@@ -6,7 +6,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import GraphPatternError, find, shard_attention
-from dcp_compile.runtime.caches import CacheRecord, register
+from dcp_compile.records import CacheRecord, register
 from dcp_compile.testing import capture_graph
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import GQA_FORMS
 from dcp_compile.passes import GraphPatternError, find, shard_attention
-from dcp_compile.passes.causal_mask import is_lower_triangular
+from dcp_compile.runtime.prepare import is_lower_triangular
 from dcp_compile.testing import capture_graph, make_model
 from tests.passes import graphs
 

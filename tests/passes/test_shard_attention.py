@@ -6,10 +6,8 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.passes import check_target, find, shard_attention, shard_kv_writes
 from dcp_compile.passes.check import InvariantError, count_collectives, count_targets
 from dcp_compile.passes.fx_utils import is_sdpa
-from dcp_compile.passes.kv_index import cache_BHSD
-from dcp_compile.passes.shard_attention import (
-    ALL_GATHER, ALL_TO_ALL, PREFIX_ATTENTION, WAIT, merge_exchanged, merge_gathered,
-)
+from dcp_compile.ops.cascade import cache_BHSD, merge_exchanged, merge_gathered
+from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, PREFIX_ATTENTION, WAIT
 from dcp_compile.models import LlamaConfig
 from dcp_compile.testing import capture_graph, make_model
 from tests.passes import graphs

@@ -230,7 +230,7 @@ def diverging_spec_worker(rank, size):
             draft.fc.weight.mul_(-1.0)
     decoder = SpecDecoder(target, draft, group, k=3, max_batch=4, max_seq_len=96, lowering="aot_eager",
                           check_ranks=True)
-    from dcp_compile.runtime.group import ranks_that_differ
+    from dcp_compile.group import ranks_that_differ
 
     checks = dict(
         nan_agrees=ranks_that_differ(group, torch.tensor([float("nan"), 1.0], dtype=torch.float64)),

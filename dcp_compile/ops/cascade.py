@@ -1,0 +1,123 @@
+"""The functions the passes insert into a target graph: they run at every step.
+
+``passes/`` decides where they go; this module is what they compute, in plain torch
+(Inductor compiles them with the rest of the graph):
+
+- from the tensors a KV write stores, the new tokens' keys, values and positions in the
+  canonical ``[B, H, T, D]`` / ``[B, T]`` forms (``window_kv``, ``window_positions``) and
+  a cache as ``[B, H, S, D]`` (``cache_BHSD``);
+- where this rank stores a position (``local_slots``), where a verify step parks its
+  tokens (``staging_slots``), how many local slots lie before a step (``prefix_lengths``);
+- the collective's payload and the exact merge of the ranks' partials with the window
+  (``pack_partial``, ``merge_gathered``; ``split_heads``, ``merge_exchanged`` and
+  ``join_heads`` for the all-to-all form).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.ops.merge import lse_merge
+
+
+def _canonical(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
+    """Broadcast ``x`` to ``shape``, drop unit axes and permute the tagged axes into ``order``."""
+    x = x.expand(shape)
+    keep = [i for i, t in enumerate(tags) if t != "1"]
+    x = x.reshape([shape[i] for i in keep])
+    kept = [tags[i] for i in keep]
+    if "T" not in kept:
+        x = x.unsqueeze(-1)
+        kept.append("T")
+    if "B" not in kept:
+        x = x.expand(batch, *x.shape)
+        kept.insert(0, "B")
+    return x.permute([kept.index(t) for t in order])
+
+
+def window_positions(positions: torch.Tensor, *, shape, tags, batch: int) -> torch.Tensor:
+    """Global positions of the new tokens, ``[B, T]``."""
+    return _canonical(positions, shape, tags, "BT", batch)
+
+
+def window_kv(value: torch.Tensor, *, shape, tags, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """The new tokens' keys or values as the cache stores them, ``[B, H, T, D]``."""
+    return _canonical(value.to(dtype), shape, tags, "BHTD", batch)
+
+
+def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
+    """View a cache buffer as ``[B, H, S, D]``."""
+    return cache if seq_dim == 2 else cache.transpose(1, 2)
+
+
+def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:
+    """Where this rank stores each global position: its owner slot, or the trash slot.
+
+    Positions outside ``[0, max_seq_len)`` also go to the trash slot, so a bad position
+    can never land in another token's slot (the backend reports it before the call).
+    """
+    layout = KVLayout(size, rank, max_seq_len, interleave)
+    mine = (layout.owner(positions) == rank) & (positions >= 0) & (positions < max_seq_len)
+    return torch.where(mine, layout.local_slot(positions), layout.trash_slot)
+
+
+def staging_slots(positions: torch.Tensor, *, shape, tags, first_slot: int) -> torch.Tensor:
+    """Slots a verify graph parks its new tokens in: the ``t``-th new token of every
+    sequence goes to ``first_slot + t``, whoever owns its position.  A commit later moves
+    the accepted ones to their owner slots, so rejected (or tree) tokens never land in a
+    slot that attention reads."""
+    slots = torch.full(shape, first_slot, dtype=positions.dtype, device=positions.device)
+    if "T" in tags:
+        axis = tags.index("T")
+        steps = torch.arange(shape[axis], dtype=positions.dtype, device=positions.device)
+        slots = slots + steps.view([shape[axis] if i == axis else 1 for i in range(len(shape))])
+    return slots
+
+
+def prefix_lengths(
+    positions_BT: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int
+) -> torch.Tensor:
+    """Local slots holding global positions before each sequence's first new token, ``[B]``."""
+    start = positions_BT.amin(dim=1)
+    return KVLayout(size, rank, max_seq_len, interleave).local_length(start)
+
+
+def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``[B,H,T,D]`` fp32 and ``[B,H,T]`` fp32 -> ``[B,H,T,D+1]``: one payload, one collective."""
+    return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
+
+
+def merge_gathered(
+    gathered: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Merge the ``size`` gathered prefixes (rank order) and the window; cast to ``dtype``."""
+    partials = gathered.view(size, *window_out.shape[:-1], window_out.shape[-1] + 1)
+    outs = torch.cat([partials[..., :-1], window_out.unsqueeze(0)], dim=0)
+    lses = torch.cat([partials[..., -1], window_lse.unsqueeze(0)], dim=0)
+    out, _ = lse_merge(outs, lses)
+    return out.to(dtype)
+
+
+def split_heads(packed: torch.Tensor, *, size: int) -> torch.Tensor:
+    """``[B, H, T, D+1]`` -> ``[size, B, H/size, T, D+1]``: row ``j`` is what rank ``j`` merges."""
+    B, H, T, W = packed.shape
+    return packed.view(B, size, H // size, T, W).movedim(1, 0).contiguous()
+
+
+def merge_exchanged(
+    exchanged: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, size: int, rank: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Merge this rank's heads: every rank's prefix (rank order) and the window; ``[B, H/size, T, D]``."""
+    heads = window_out.shape[1] // size
+    own = slice(rank * heads, (rank + 1) * heads)
+    outs = torch.cat([exchanged[..., :-1], window_out[:, own].unsqueeze(0)], dim=0)
+    lses = torch.cat([exchanged[..., -1], window_lse[:, own].unsqueeze(0)], dim=0)
+    out, _ = lse_merge(outs, lses)
+    return out.to(dtype).contiguous()
+
+
+def join_heads(gathered: torch.Tensor, *, size: int) -> torch.Tensor:
+    """``[size * B, H/size, T, D]`` (rank-major) -> ``[B, H, T, D]``."""
+    _, heads, T, D = gathered.shape
+    return gathered.view(size, -1, heads, T, D).movedim(0, 1).reshape(-1, size * heads, T, D)
