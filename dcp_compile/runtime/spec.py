@@ -166,6 +166,10 @@ class SpecDecoder:
             )
         if not target.cfg.aux_layers:
             raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
+        if cuda_graphs and group.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
+        # Every argument is checked above: nothing below may fail on one, since prepare
+        # changes the models for good.
         self.target, self.draft, self.group = target, draft, group
         self.k, self.temperature, self.seed = k, temperature, seed
         self.chunk_size = chunk_size
@@ -181,8 +185,6 @@ class SpecDecoder:
         )
         prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
 
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {self.device}")
         # Captured steps cannot sync to check positions on the host; admission control
         # below already keeps every request inside the cache.
         checked = not cuda_graphs

@@ -64,6 +64,18 @@ def test_bad_decoder_arguments(overrides, message):
         decoder(**overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [(dict(cuda_graphs=True), "cuda_graphs=True needs a CUDA device"), (dict(chunk_size=0), "chunk_size")],
+)
+def test_a_bad_argument_leaves_both_models_unprepared(overrides, message):
+    target, draft = agreeing_pair("eagle3", noise=3.0)
+    with pytest.raises(ValueError, match=message):
+        SpecDecoder(target, draft, dcp.init_group("cpu"), k=2, max_batch=4, max_seq_len=96, **overrides)
+    # The same models still make a working decoder: nothing was prepared.
+    SpecDecoder(target, draft, dcp.init_group("cpu"), k=2, max_batch=4, max_seq_len=96, lowering="aot_eager")
+
+
 def test_draft_for_another_vocabulary_is_refused():
     cfg = LlamaConfig(aux_layers=(2,))
     other = EagleDraft(DraftConfig(LlamaConfig(vocab_size=128), "eagle"))
