@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
+from dcp_compile.models.llama import llama3_8b_shape
 from _report import leave, parse_with_watchdog, report
 
 
@@ -49,7 +50,7 @@ def target_config(small: bool, layers: int = 32) -> tuple[LlamaConfig, torch.dev
     if small:
         return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128), \
             torch.device("cpu")
-    cfg = dataclasses.replace(dcp.memory.llama3_8b_shape(aux_layers=()), n_layers=layers)
+    cfg = dataclasses.replace(llama3_8b_shape(aux_layers=()), n_layers=layers)
     return cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 

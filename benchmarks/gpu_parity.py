@@ -26,7 +26,7 @@ import torch
 
 import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
-from dcp_compile.testing import make_model, make_prompts
+from tests.support import make_model, make_prompts
 from dcp_compile.runtime.generate import greedy_decode, pad_prompts
 
 PROMPT_LENGTHS = (5, 17, 30, 700)

@@ -4,7 +4,7 @@ size-1 off arm, in bf16, with EAGLE3 and EAGLE chain drafts (k=4).
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     timeout 600 torchrun --nproc-per-node 2 benchmarks/gpu_spec_gate.py --json out.json
 
-Both arms decode the same prompts with the test pair of ``dcp_compile.testing.agreeing_pair``
+Both arms decode the same prompts with the test pair of ``tests.support.agreeing_pair``
 (a target and a draft built to agree most of the time, so every accept count occurs).
 Rank 0 also runs the off arm (plain torch.compile semantics, group of size 1).  Reported:
 the token-identity rate, per-step accept-count identity, and mean accept lengths.
@@ -23,7 +23,7 @@ import torch
 import dcp_compile as dcp
 from _report import parse_with_watchdog
 from dcp_compile.runtime.spec import SpecDecoder
-from dcp_compile.testing import agreeing_pair
+from tests.support import agreeing_pair
 
 FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2)}
 PROMPT_LENGTHS = (3, 9, 14, 20, 40, 64, 100, 150)

@@ -278,6 +278,7 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int
 
 def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dcp_compile import memory
+    from dcp_compile.models.llama import llama3_8b_shape
     from dcp_compile.models import DraftConfig
     from dcp_compile.models.pretrained import pair_configs
 
@@ -295,7 +296,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     else:
         parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
     if args.model == "llama3-8b":
-        cfg = memory.llama3_8b_shape()
+        cfg = llama3_8b_shape()
         draft = DraftConfig(cfg, "eagle3") if args.k else None
     else:
         cfg, draft = pair_configs(args.model)

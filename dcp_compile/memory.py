@@ -195,15 +195,6 @@ def plan_memory(
     return planner.plan(dcp_size, max_batch, max_seq_len)
 
 
-def llama3_8b_shape(aux_layers: tuple[int, ...] = (2, 16, 29)):
-    """The Llama-3-8B shape (random weights are the user's business): 32 layers, width
-    4096, 32 query / 8 KV heads, MLP 14336, vocabulary 128256."""
-    from dcp_compile.models import LlamaConfig
-
-    return LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                       rope_theta=500000.0, aux_layers=aux_layers)
-
-
 def capacity_tables(planner: MemoryPlanner, dcp_sizes, batches, contexts) -> tuple[dict, dict]:
     """What fits, per DCP size: ``{batch: {size: longest context}}`` and
     ``{context: {size: most sequences}}`` (where the KV pool runs out); 0 where

@@ -13,7 +13,7 @@ import dcp_compile as dcp
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import GraphPatternError
 from dcp_compile.records import CacheRecord, register
-from dcp_compile.testing import capture_graph
+from tests.support import capture_graph
 from tests.passes import graphs
 from tests.passes.graphs import B, D, HKV, HQ, S
 

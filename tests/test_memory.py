@@ -7,7 +7,7 @@ import dcp_compile as dcp
 from dcp_compile.memory import GiB, CapacityError, MemoryPlanner, kv_slots, plan_memory
 from dcp_compile.models import DraftConfig, LlamaConfig
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import make_model, parity_worker
+from tests.support import make_model, parity_worker
 from tests.runtime.test_parity import STEPS, assert_parity
 
 LLAMA_8B = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
@@ -91,7 +91,7 @@ def test_a_model_all_on_meta_is_refused():
 
 def test_plan_command_prints_what_the_planner_says(capsys):
     from dcp_compile.cli import main
-    from dcp_compile.memory import llama3_8b_shape
+    from dcp_compile.models.llama import llama3_8b_shape
 
     assert main(["plan", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8", "--contexts", "131072"]) == 0
     printed = capsys.readouterr().out

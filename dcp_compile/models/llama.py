@@ -270,3 +270,11 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.08) -> nn.Module:
             else:
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     return model
+
+
+def llama3_8b_shape(aux_layers: tuple[int, ...] = (2, 16, 29)) -> LlamaConfig:
+    """The Llama-3-8B shape (random weights are the user's business): 32 layers, width
+    4096, 32 query / 8 KV heads, MLP 14336, vocabulary 128256; ``aux_layers`` for an
+    EAGLE3 draft."""
+    return LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                       rope_theta=500000.0, aux_layers=aux_layers)

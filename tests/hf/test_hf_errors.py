@@ -7,7 +7,7 @@ import dcp_compile as dcp
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes import GraphPatternError, find, shard_attention
 from dcp_compile.records import CacheRecord, register
-from dcp_compile.testing import capture_graph
+from tests.support import capture_graph
 
 pytest.importorskip("transformers")
 
@@ -136,7 +136,7 @@ def test_cross_attention_over_a_sharded_cache_is_refused():
 
 def test_a_sharded_cache_written_outside_a_dcp_graph_is_refused_before_the_write():
     from dcp_compile.runtime.launch import spawn_ranks
-    from dcp_compile.testing import FP32_TOLERANCE
+    from tests.support import FP32_TOLERANCE
     from tests.hf.workers import hf_refusal_worker
 
     for r in spawn_ranks(hf_refusal_worker, 2, timeout=600):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE
+from tests.support import FP32_TOLERANCE
 
 pytest.importorskip("transformers")
 

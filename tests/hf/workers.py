@@ -8,7 +8,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models.llama import init_weights
 from dcp_compile.runtime.generate import greedy_decode
-from dcp_compile.testing import make_prompts
+from tests.support import make_prompts
 
 VOCAB, MAX_SEQ_LEN = 128, 64
 RAGGED_LENGTHS = (5, 11, 17)
@@ -174,7 +174,7 @@ def gpt_fast_worker(rank, size, steps):
 
 def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
     """An HF Llama target (wrapped) and an EAGLE3 draft that agree most of the time: the
-    construction of ``dcp_compile.testing.agreeing_pair``, on HF weights."""
+    construction of ``tests.support.agreeing_pair``, on HF weights."""
     import transformers
 
     from dcp_compile.hf import DCPCausalLM

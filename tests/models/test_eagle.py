@@ -4,7 +4,7 @@ import torch
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig, eagle3_aux_layers
 from dcp_compile.models.llama import init_weights
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE, make_model
+from tests.support import FP32_TOLERANCE, make_model
 from tests.runtime.workers import draft_and_aux_worker
 
 

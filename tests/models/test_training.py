@@ -9,7 +9,7 @@ from dcp_compile import training
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig, eagle3_aux_layers
 from dcp_compile.models.llama import init_weights
 from dcp_compile.models.pretrained import load_config, load_pair
-from dcp_compile.testing import FP32_TOLERANCE, make_model
+from tests.support import FP32_TOLERANCE, make_model
 
 
 def test_uncached_forward_equals_the_cached_forward_from_position_zero():

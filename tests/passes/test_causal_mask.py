@@ -10,7 +10,7 @@ from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import GQA_FORMS
 from dcp_compile.passes import GraphPatternError, find, shard_attention
 from dcp_compile.runtime.prepare import is_lower_triangular
-from dcp_compile.testing import capture_graph, make_model
+from tests.support import capture_graph, make_model
 from tests.passes import graphs
 
 

@@ -5,7 +5,7 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.passes import check_draft, check_target, find, shard_attention, shard_kv_writes
 from dcp_compile.passes.check import InvariantError
 from dcp_compile.passes.shard_attention import ALL_GATHER
-from dcp_compile.testing import capture_graph
+from tests.support import capture_graph
 from tests.passes import graphs
 
 

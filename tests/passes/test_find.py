@@ -6,7 +6,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import GQA_FORMS
 from dcp_compile.passes import GraphPatternError, find
-from dcp_compile.testing import capture_graph, make_model
+from tests.support import capture_graph, make_model
 from tests.passes import graphs
 
 

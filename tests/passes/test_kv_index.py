@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dcp_compile.passes import GraphPatternError, find
-from dcp_compile.testing import capture_graph
+from tests.support import capture_graph
 from tests.passes import graphs
 from tests.passes.graphs import B, D, HKV, S
 

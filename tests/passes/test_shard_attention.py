@@ -9,7 +9,7 @@ from dcp_compile.passes.fx_utils import is_sdpa
 from dcp_compile.ops.cascade import cache_BHSD, merge_exchanged, merge_gathered
 from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL, PREFIX_ATTENTION, WAIT
 from dcp_compile.models import LlamaConfig
-from dcp_compile.testing import capture_graph, make_model
+from tests.support import capture_graph, make_model
 from tests.passes import graphs
 
 IDIOMS = [graphs.GptFastStyle, graphs.IndexCopyStyle, graphs.IndexPutBSHD]

@@ -5,7 +5,7 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.passes import find, shard_kv_writes
 from dcp_compile.ops.cascade import local_slots
 from dcp_compile.passes.kv_index import positions_node
-from dcp_compile.testing import capture_graph
+from tests.support import capture_graph
 from tests.passes import graphs
 
 IDIOMS = [graphs.GptFastStyle, graphs.IndexCopyStyle, graphs.IndexPutBSHD]

@@ -7,7 +7,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.runtime.generate import prefill_chunks
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE, agreeing_pair
+from tests.support import FP32_TOLERANCE, agreeing_pair
 from tests.runtime.workers import chunked_parity_worker, chunked_spec_worker, long_prefill_memory_worker
 
 # Rows longer than one chunk next to rows shorter than one; 7 divides none of them.

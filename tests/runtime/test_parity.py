@@ -7,7 +7,7 @@ import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
 from dcp_compile.runtime.generate import greedy_decode
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE, PROMPT_LENGTHS, make_model, make_prompts, parity_worker
+from tests.support import FP32_TOLERANCE, PROMPT_LENGTHS, make_model, make_prompts, parity_worker
 
 STEPS = 20
 

@@ -6,7 +6,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE, make_model
+from tests.support import FP32_TOLERANCE, make_model
 from tests.passes import graphs
 from tests.runtime.workers import idiom_worker, layout_worker, mismatch_worker
 

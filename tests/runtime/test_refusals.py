@@ -4,7 +4,7 @@ dcp.backend compiled; every other route raises on every rank before writing."""
 import torch
 
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE
+from tests.support import FP32_TOLERANCE
 from tests.runtime.workers import refusal_worker
 
 NOT_DCP = "did not go through a graph compiled by dcp.backend"

@@ -6,7 +6,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig
 from dcp_compile.runtime.spec import SpecDecoder, accept_chain
-from dcp_compile.testing import agreeing_pair, make_model
+from tests.support import agreeing_pair, make_model
 
 # chi-square critical value, 4 degrees of freedom, p = 0.001
 CHI2_CRITICAL_DF4 = 18.467
@@ -123,7 +123,7 @@ def test_the_loop_reads_the_device_once_per_step():
     import sys
 
     import dcp_compile as dcp
-    from dcp_compile.testing import agreeing_pair
+    from tests.support import agreeing_pair
 
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair("eagle3", noise=3.0)

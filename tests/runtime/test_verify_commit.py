@@ -7,7 +7,7 @@ import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
 from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.launch import spawn_ranks
-from dcp_compile.testing import FP32_TOLERANCE, make_model
+from tests.support import FP32_TOLERANCE, make_model
 from tests.runtime.workers import verify_commit_worker, verify_overflow_worker
 
 

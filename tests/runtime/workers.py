@@ -4,7 +4,7 @@ import torch
 
 import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
-from dcp_compile.testing import make_model
+from tests.support import make_model
 from tests.passes import graphs
 
 
@@ -85,7 +85,7 @@ def verify_commit_worker(rank, size, k, rounds, seed):
     against the unsharded eager model fed the same tokens."""
     from dcp_compile.runtime.commit import KVCommit
     from dcp_compile.runtime.generate import pad_prompts
-    from dcp_compile.testing import make_prompts
+    from tests.support import make_prompts
 
     group = dcp.init_group("cpu")
     cfg = LlamaConfig()
@@ -192,7 +192,7 @@ SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2)}
 def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     """Speculative decoding of four prompts with the agreeing test pair on ``size`` ranks."""
     from dcp_compile.runtime.spec import SpecDecoder
-    from dcp_compile.testing import agreeing_pair
+    from tests.support import agreeing_pair
 
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair(kind, **SPEC_FIXTURES[kind])
@@ -221,7 +221,7 @@ def diverging_spec_worker(rank, size):
     """Rank 1's draft weights differ from rank 0's: the per-step rank check must stop
     every rank with the same error instead of letting them drift into a hang."""
     from dcp_compile.runtime.spec import SpecDecoder
-    from dcp_compile.testing import agreeing_pair
+    from tests.support import agreeing_pair
 
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair("eagle3", **SPEC_FIXTURES["eagle3"])
@@ -248,7 +248,7 @@ def chunked_parity_worker(rank, size, chunk_size, lengths, steps, interleave=1):
     """Greedy decoding with a chunked prefill on ``size`` ranks against the unsharded
     eager model fed each prompt whole."""
     from dcp_compile.runtime.generate import greedy_decode
-    from dcp_compile.testing import make_prompts
+    from tests.support import make_prompts
 
     group = dcp.init_group("cpu")
     cfg = LlamaConfig(max_batch=len(lengths))
@@ -269,7 +269,7 @@ def chunked_parity_worker(rank, size, chunk_size, lengths, steps, interleave=1):
 def chunked_spec_worker(rank, size, chunk_size, lengths, temperature):
     """Speculative decoding with a chunked prefill of a ragged batch (the agreeing pair)."""
     from dcp_compile.runtime.spec import SpecDecoder
-    from dcp_compile.testing import agreeing_pair
+    from tests.support import agreeing_pair
 
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=len(lengths), max_seq_len=96)
@@ -319,7 +319,7 @@ def refusal_worker(rank, size):
     """Every route around dcp.backend is refused before it writes; the right route then
     still answers as the unsharded model does."""
     from dcp_compile.runtime.generate import pad_prompts
-    from dcp_compile.testing import make_prompts
+    from tests.support import make_prompts
 
     group = dcp.init_group("cpu")
     cfg = LlamaConfig()
