@@ -21,7 +21,7 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.ops.merge import lse_merge
 
 
-def _canonical(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
+def _tagged_as(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
     """Broadcast ``x`` to ``shape``, drop unit axes and permute the tagged axes into ``order``."""
     x = x.expand(shape)
     keep = [i for i, t in enumerate(tags) if t != "1"]
@@ -38,12 +38,12 @@ def _canonical(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Te
 
 def window_positions(positions: torch.Tensor, *, shape, tags, batch: int) -> torch.Tensor:
     """Global positions of the new tokens, ``[B, T]``."""
-    return _canonical(positions, shape, tags, "BT", batch)
+    return _tagged_as(positions, shape, tags, "BT", batch)
 
 
 def window_kv(value: torch.Tensor, *, shape, tags, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """The new tokens' keys or values as the cache stores them, ``[B, H, T, D]``."""
-    return _canonical(value.to(dtype), shape, tags, "BHTD", batch)
+    return _tagged_as(value.to(dtype), shape, tags, "BHTD", batch)
 
 
 def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:

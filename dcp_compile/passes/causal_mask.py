@@ -37,7 +37,10 @@ from types import MappingProxyType
 import torch
 from torch.fx import Node
 
-from dcp_compile.passes.fx_utils import GraphPatternError, arg, fake_value, op_name, placeholder_name, shape_of, where
+from dcp_compile.passes.fx_utils import (
+    SHAPE_VIEWS, GraphPatternError, arange_bounds, arg, expand_ellipsis, fake_value, op_name, placeholder_name, shape_of,
+    where,
+)
 
 CONST = ("1",)
 
@@ -193,9 +196,7 @@ class _Interpreter:
             raise _Unsupported(node, f"a {node.op} node")
         out_shape = shape_of(node)
         if name == "arange":
-            bounds = [a for a in node.args]
-            start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (bounds + [1])[:3]
-            start, end = node.kwargs.get("start", start), node.kwargs.get("end", end)
+            start, end, step = arange_bounds(node)
             if not all(isinstance(b, int) for b in (start, end, step)) or step != 1:
                 raise _Unsupported(node, "torch.arange with a step or bounds that are not constant ints")
             return _Int(out_shape, _prune(_combine((1, {("ax", 0): 1}), (1, {CONST: start} if start else {})), out_shape))
@@ -231,7 +232,7 @@ class _Interpreter:
             return _Bool(out_shape, ())
         if name == "where":
             return self._additive(node, out_shape)
-        if name in ("unsqueeze", "view", "reshape", "expand", "getitem", "squeeze", "flatten"):
+        if name in SHAPE_VIEWS or name == "getitem":
             return self._view(node, name, out_shape)
         raise _Unsupported(node, f"{name or node.target!r}, an op the mask prover does not model")
 
@@ -277,10 +278,7 @@ class _Interpreter:
         in_shape = base.shape
         if name == "getitem":
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            if Ellipsis in index:
-                at = index.index(Ellipsis)
-                explicit = sum(1 for e in index if e is not None and e is not Ellipsis)
-                index = index[:at] + (slice(None),) * (len(in_shape) - explicit) + index[at + 1 :]
+            index = expand_ellipsis(index, len(in_shape))
             mapping, out_axis, in_axis = {}, 0, 0
             for entry in index:
                 if entry is None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch.fx import GraphModule
 
+from dcp_compile.ops.cascade import cache_BHSD, local_slots, merge_exchanged, merge_gathered, staging_slots
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.fx_utils import where
-from dcp_compile.ops.cascade import cache_BHSD, local_slots, merge_exchanged, merge_gathered, staging_slots
 from dcp_compile.passes.kv_index import positions_node
 from dcp_compile.passes.shard_attention import ALL_GATHER, ALL_TO_ALL
 
@@ -41,7 +42,10 @@ def _require(ok: bool, message: str) -> None:
 
 
 def is_collective(node) -> bool:
-    return node.op == "call_function" and any(ns in str(node.target) for ns in COLLECTIVE_NAMESPACES)
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.namespace in COLLECTIVE_NAMESPACES
+    )
 
 
 def count_collectives(gm: GraphModule) -> int:

@@ -35,7 +35,10 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.passes.causal_mask import MaskProof, prove_causal
 from dcp_compile.passes.fx_utils import (
+    INDEX_VIEWS,
     GraphPatternError,
+    arange_bounds,
+    expand_ellipsis,
     arg,
     fake_value,
     is_flex_attention,
@@ -95,7 +98,6 @@ class Plan:
 _LAYOUT_ONLY = frozenset(
     {"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type"}
 )
-_INDEX_VIEWS = frozenset({"getitem", "view", "reshape", "unsqueeze", "squeeze", "to", "long", "int", "expand", "contiguous", "flatten"})
 
 
 def _placeholders(gm: GraphModule) -> list[Node]:
@@ -104,7 +106,7 @@ def _placeholders(gm: GraphModule) -> list[Node]:
 
 def _strip_views(node):
     """``node`` with the index views on top of it taken off."""
-    while isinstance(node, Node) and op_name(node) in _INDEX_VIEWS and node.args:
+    while isinstance(node, Node) and op_name(node) in INDEX_VIEWS and node.args:
         node = node.args[0]
     return node
 
@@ -117,15 +119,13 @@ def _root_input(node) -> Node | None:
 
 def _arange_reach(node) -> int | None:
     """``T - 1`` for ``arange(T)`` or ``arange(0, T)`` with constant ``T`` (through views)."""
-    node = _strip_views(node)
-    if not isinstance(node, Node) or op_name(node) != "arange" or node.kwargs.get("step", 1) != 1:
+    bounds = arange_bounds(_strip_views(node))
+    if bounds is None:
         return None
-    bounds = list(node.args)
-    if len(bounds) == 2 and bounds[0] == 0:
-        bounds = bounds[1:]
-    if len(bounds) != 1 or not isinstance(bounds[0], int) or bounds[0] < 1:
+    start, end, step = bounds
+    if start != 0 or step != 1 or not isinstance(end, int) or end < 1:
         return None
-    return bounds[0] - 1
+    return end - 1
 
 
 def _position_source(node) -> tuple[Node, int] | None:
@@ -179,10 +179,7 @@ def _replay_read(chain: list[Node], cache: KVCache) -> int:
             tags.insert(_dim(int(node.args[1]), len(tags) + 1), "1")
         elif name == "getitem":
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            if Ellipsis in index:
-                at = index.index(Ellipsis)
-                explicit = sum(1 for e in index if e is not None and e is not Ellipsis)
-                index = index[:at] + (slice(None),) * (len(tags) - explicit) + index[at + 1 :]
+            index = expand_ellipsis(index, len(tags))
             new_tags, src = [], iter(tags)
             for entry in index:
                 if entry is None:

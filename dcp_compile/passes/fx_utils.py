@@ -12,6 +12,14 @@ from torch.fx import GraphModule, Node
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
+SHAPE_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "flatten"})
+"""Ops that rearrange a tensor's axes without changing its values."""
+INTEGER_CASTS = frozenset({"to", "long", "int", "contiguous"})
+"""Ops an index tensor passes through unchanged (for integer values)."""
+INDEX_VIEWS = SHAPE_VIEWS | INTEGER_CASTS | {"getitem"}
+"""What may stand between an index tensor (positions, ``arange``) and its source."""
+
+
 class GraphPatternError(ValueError):
     """A graph the passes cannot handle; the message names the node and the user's line."""
 
@@ -106,3 +114,23 @@ def erase_dead_pure_nodes(gm: GraphModule, candidates: Iterable[Node]) -> None:
         inputs = list(node.all_input_nodes)
         gm.graph.erase_node(node)
         stack.extend(inputs)
+
+
+def arange_bounds(node: Node) -> tuple | None:
+    """``(start, end, step)`` of a ``torch.arange`` node, as its arguments give them
+    (ints, or nodes for bounds computed in the graph); ``None`` for any other node."""
+    if not isinstance(node, Node) or op_name(node) != "arange":
+        return None
+    args = list(node.args)
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + [1])[:3]
+    return node.kwargs.get("start", start), node.kwargs.get("end", end), node.kwargs.get("step", step)
+
+
+def expand_ellipsis(index: tuple, ndim: int) -> tuple:
+    """A ``getitem`` / ``setitem`` index with its ``...`` spelled out as full slices over
+    an ``ndim``-axis tensor (``None`` entries add axes and take none)."""
+    if Ellipsis not in index:
+        return index
+    at = index.index(Ellipsis)
+    explicit = sum(1 for e in index if e is not None and e is not Ellipsis)
+    return index[:at] + (slice(None),) * (ndim - explicit) + index[at + 1 :]

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from dcp_compile.passes.fx_utils import GraphPatternError, arg, op_name, shape_of, where
+from dcp_compile.passes.fx_utils import (
+    INDEX_VIEWS, GraphPatternError, arange_bounds, arg, expand_ellipsis, op_name, shape_of, where,
+)
 
 WRITE_KINDS = ("index_copy_", "index_put_", "setitem")
 
@@ -62,21 +64,15 @@ def _full_slice(entry) -> bool:
 def is_arange(node, length: int) -> bool:
     """Whether ``node`` is ``torch.arange(length)`` up to unit axes and dtype casts."""
     while isinstance(node, Node):
+        bounds = arange_bounds(node)
+        if bounds is not None:
+            return bounds == (0, length, 1)
         name = op_name(node)
-        if name == "arange":
-            bounds = list(node.args)
-            if len(bounds) == 1:
-                bounds = [0, bounds[0]]
-            start, end, step = (bounds + [None, None, None])[:3]
-            start = node.kwargs.get("start", 0 if start is None else start)
-            end = node.kwargs.get("end", end)
-            step = node.kwargs.get("step", 1 if step is None else step)
-            return start == 0 and end == length and step == 1
         if name == "getitem":
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             if not all(_full_slice(e) or e is None or e is Ellipsis for e in index):
                 return False
-        elif name not in ("view", "reshape", "unsqueeze", "to", "long", "int", "expand", "contiguous"):
+        elif name not in INDEX_VIEWS or name in ("squeeze", "flatten"):
             return False
         node = node.args[0]
     return False
@@ -91,10 +87,7 @@ def _write_entries(node: Node, ndim: int) -> list:
         if len(node.args) > 3 and node.args[3] or node.kwargs.get("accumulate", False):
             raise GraphPatternError(f"KV write with accumulate=True at {where(node)} is not a cache store")
     else:
-        entries = list(raw) if isinstance(raw, (tuple, list)) else [raw]
-        if Ellipsis in entries:
-            at = entries.index(Ellipsis)
-            entries[at : at + 1] = [slice(None)] * (ndim - len(entries) + 1)
+        entries = list(expand_ellipsis(tuple(raw) if isinstance(raw, (tuple, list)) else (raw,), ndim))
     entries += [slice(None)] * (ndim - len(entries))
     out = []
     for entry in entries:
