@@ -318,6 +318,99 @@ def _refuse_replaced_caches(model: nn.Module, placed) -> None:
     model._apply = _apply
 
 
+def _discover(model: nn.Module, example_inputs, max_batch: int, home):
+    """The discovery trace: ``(graph, its inputs, owner of each model tensor)``."""
+    defaulted = example_inputs is None
+    if defaulted:
+        example_inputs = _default_example_inputs(model, max_batch, home)
+    try:
+        if any(t.is_meta for t in _tensors(model)):
+            return _trace_on_meta(model, tuple(example_inputs))
+        gm, inputs = trace_graph(model, tuple(example_inputs))
+        return gm, inputs, _owners(model)
+    except ValueError as error:
+        if not defaulted:
+            raise
+        raise ValueError(
+            f"{error}. prepare called forward with {max_batch} rows (max_batch={max_batch}): if the model's KV "
+            f"caches hold another number of rows, build the model for max_batch={max_batch}, or pass "
+            f"example_inputs="
+        ) from error
+
+
+def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_batch: int, verify_tokens: int, home,
+                  rank: int) -> tuple[list, int]:
+    """Swap each cache for this rank's buffer (its shard plus ``verify_tokens`` staging
+    slots, or a whole buffer where a meta one stood) and record it; returns
+    ``(module, attr, record)`` per cache and the bytes this rank now holds."""
+    max_seq_len, sharded = layout.max_seq_len, layout.size > 1
+    placed, pending, kv_bytes = [], [], 0
+    for cache in plan.caches:
+        tensor = inputs[cache.input_index]
+        if id(tensor) not in owners:
+            raise ValueError(
+                f"KV cache {cache.name} is not a buffer (or tensor attribute) of {type(model).__name__} or its "
+                f"submodules; create it with module.register_buffer(...) so that prepare can replace it with this "
+                f"rank's shard (Hugging Face caches: see dcp_compile.hf)"
+            )
+        qualname, module, attr = owners[id(tensor)]
+        if record_for(tensor) is not None:
+            raise ValueError(f"KV cache {qualname} was already prepared; call dcp.prepare once per model")
+        if tensor.shape[cache.seq_dim] != max_seq_len or tensor.shape[0] != max_batch:
+            raise ValueError(
+                f"KV cache {qualname} has shape {tuple(tensor.shape)} (batch axis 0, sequence axis "
+                f"{cache.seq_dim}); expected batch {max_batch} and sequence {max_seq_len} from prepare's "
+                f"max_batch and max_seq_len"
+            )
+        if sharded or tensor.is_meta:
+            local_shape = list(tensor.shape)
+            if sharded:
+                local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
+            pending.append((module, attr, local_shape, tensor.dtype))
+        placed.append((module, attr, CacheRecord(
+            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens
+        )))
+    _check_free_memory(home, pending, rank)
+    for module, attr, shape, dtype in pending:
+        _replace(module, attr, torch.zeros(shape, dtype=dtype, device=home))
+    for module, attr, record in placed:
+        tensor = getattr(module, attr)
+        register(tensor, record)
+        kv_bytes += tensor.numel() * tensor.element_size()
+    return placed, kv_bytes
+
+
+def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str]:
+    """Check every causal-mask table the proven masks index and keep this rank's columns."""
+    max_seq_len = layout.max_seq_len
+    mask_names = []
+    for index in plan.mask_inputs:
+        tensor = inputs[index]
+        if id(tensor) not in owners:
+            raise ValueError(
+                f"graph input {index} is a causal-mask table indexed by positions but not a buffer (or tensor "
+                f"attribute) of the model; make it a buffer or build the mask from positions inside forward"
+            )
+        qualname, module, attr = owners[id(tensor)]
+        tensor = getattr(module, attr)
+        if tensor.is_meta:
+            raise ValueError(
+                f"causal-mask table {qualname} is on the meta device; only KV caches may be left on meta for "
+                f"prepare to allocate. Build the table on the model's device ({home})"
+            )
+        if tensor.shape[-1] != max_seq_len or not is_lower_triangular(tensor):
+            raise GraphPatternError(
+                f"causal-mask table {qualname} (shape {tuple(tensor.shape)}) is indexed by positions to mask "
+                f"attention over the KV cache, but it is not lower triangular over max_seq_len={max_seq_len} "
+                f"slots (table[p, s] == (s <= p)); DCP shards full causal attention only"
+            )
+        local = _local_mask(tensor, layout)
+        _replace(module, attr, local)
+        register_table(local, qualname)
+        mask_names.append(qualname)
+    return mask_names
+
+
 def prepare(
     model: nn.Module,
     group: DCPGroup,
@@ -360,23 +453,7 @@ def prepare(
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
     home = _home_device(model)
-    defaulted = example_inputs is None
-    if defaulted:
-        example_inputs = _default_example_inputs(model, max_batch, home)
-    try:
-        if any(t.is_meta for t in _tensors(model)):
-            gm, inputs, owners = _trace_on_meta(model, tuple(example_inputs))
-        else:
-            gm, inputs = trace_graph(model, tuple(example_inputs))
-            owners = _owners(model)
-    except ValueError as error:
-        if not defaulted:
-            raise
-        raise ValueError(
-            f"{error}. prepare called forward with {max_batch} rows (max_batch={max_batch}): if the model's KV "
-            f"caches hold another number of rows, build the model for max_batch={max_batch}, or pass "
-            f"example_inputs="
-        ) from error
+    gm, inputs, owners = _discover(model, example_inputs, max_batch, home)
     plan = find(gm)
     if sharded:
         for site in plan.sites:
@@ -389,66 +466,9 @@ def prepare(
             f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
         )
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
-    placed, pending, kv_bytes = [], [], 0  # placed: (module, attr, record) per cache
-    for cache in plan.caches:
-        tensor = inputs[cache.input_index]
-        if id(tensor) not in owners:
-            raise ValueError(
-                f"KV cache {cache.name} is not a buffer (or tensor attribute) of {type(model).__name__} or its "
-                f"submodules; create it with module.register_buffer(...) so that prepare can replace it with this "
-                f"rank's shard (Hugging Face caches: see dcp_compile.hf)"
-            )
-        qualname, module, attr = owners[id(tensor)]
-        if record_for(tensor) is not None:
-            raise ValueError(f"KV cache {qualname} was already prepared; call dcp.prepare once per model")
-        if tensor.shape[cache.seq_dim] != max_seq_len or tensor.shape[0] != max_batch:
-            raise ValueError(
-                f"KV cache {qualname} has shape {tuple(tensor.shape)} (batch axis 0, sequence axis "
-                f"{cache.seq_dim}); expected batch {max_batch} and sequence {max_seq_len} from prepare's "
-                f"max_batch and max_seq_len"
-            )
-        if sharded or tensor.is_meta:
-            local_shape = list(tensor.shape)
-            if sharded:
-                local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
-            pending.append((module, attr, local_shape, tensor.dtype))
-        placed.append((module, attr, CacheRecord(
-            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens if sharded else 0
-        )))
-    _check_free_memory(home, pending, group.rank)
-    for module, attr, shape, dtype in pending:
-        _replace(module, attr, torch.zeros(shape, dtype=dtype, device=home))
-    for module, attr, record in placed:
-        tensor = getattr(module, attr)
-        register(tensor, record)
-        kv_bytes += tensor.numel() * tensor.element_size()
-
-    mask_names = []
-    if sharded:
-        for index in plan.mask_inputs:
-            tensor = inputs[index]
-            if id(tensor) not in owners:
-                raise ValueError(
-                    f"graph input {index} is a causal-mask table indexed by positions but not a buffer (or tensor "
-                    f"attribute) of the model; make it a buffer or build the mask from positions inside forward"
-                )
-            qualname, module, attr = owners[id(tensor)]
-            tensor = getattr(module, attr)
-            if tensor.is_meta:
-                raise ValueError(
-                    f"causal-mask table {qualname} is on the meta device; only KV caches may be left on meta for "
-                    f"prepare to allocate. Build the table on the model's device ({home})"
-                )
-            if tensor.shape[-1] != max_seq_len or not is_lower_triangular(tensor):
-                raise GraphPatternError(
-                    f"causal-mask table {qualname} (shape {tuple(tensor.shape)}) is indexed by positions to mask "
-                    f"attention over the KV cache, but it is not lower triangular over max_seq_len={max_seq_len} "
-                    f"slots (table[p, s] == (s <= p)); DCP shards full causal attention only"
-                )
-            local = _local_mask(tensor, layout)
-            _replace(module, attr, local)
-            register_table(local, qualname)
-            mask_names.append(qualname)
+    placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
+                                     home, group.rank)
+    mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     model.register_forward_pre_hook(_call_checks(type(model).__name__, max_batch, sharded), with_kwargs=True)
     _refuse_replaced_caches(model, placed)
     return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)
