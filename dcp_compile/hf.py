@@ -316,6 +316,15 @@ class DCPCausalLM(nn.Module):
             for i in aux_layers
         ]
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
+        return self.cfg.dim * len(self.cfg.aux_layers)
+
     def remove_hooks(self) -> None:
         """Take the feature hooks off the wrapped model, giving it back as it was; the
         wrapper returns no features after this."""

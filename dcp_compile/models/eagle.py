@@ -111,6 +111,20 @@ class EagleDraft(RopeTables):
             self.head.weight = target.output.weight
         return self
 
+    @property
+    def target_vocab_size(self) -> int:
+        return self.cfg.target.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the draft reads."""
+        t = self.cfg.target
+        return t.dim * (self.cfg.n_features if self.cfg.kind == "eagle3" else 1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target vocabulary ids of draft vocabulary ids."""
         return draft_ids + self.d2t[draft_ids] if self.cfg.kind == "eagle3" else draft_ids

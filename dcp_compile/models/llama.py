@@ -222,6 +222,15 @@ class Llama(RopeTables):
         for layer in self.layers:
             layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
+        return self.cfg.dim * len(self.cfg.aux_layers)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_at: torch.Tensor | None = None):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]

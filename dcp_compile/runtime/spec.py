@@ -22,12 +22,19 @@ Sampling runs on the device: every random number comes from one device generator
 seeded identically on all ranks, and the merged logits are bitwise the same on all
 ranks, so every rank accepts the same tokens without communicating.  The host reads
 one small tensor per step (the emitted tokens, their counts and the accept counts).
+
+Three parts: ``SpecGraphs`` prepares the models and compiles the step graphs (after
+``SpecDecoder`` has checked every argument); ``DeviceStep`` runs a prefill or a
+speculative step on the device; ``RequestBook`` keeps each request's tokens on the host.
+``SpecDecoder.generate`` is the loop that joins them.  Models meet the decoder through
+a small protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,6 +44,27 @@ from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
+
+
+class SpecTarget(Protocol):
+    """What the decoder needs of a target: ``forward(tokens, positions, logits_at=None) ->
+    (logits, features)`` and these two facts."""
+
+    vocab_size: int
+    feature_width: int
+    """Width of the EAGLE features forward returns beside the logits (0: none)."""
+
+
+class SpecDraft(Protocol):
+    """What the decoder needs of a draft: ``forward(tokens, positions, features,
+    logits_at=None) -> (logits, hidden)``, its ids mapped to the target's, and these."""
+
+    target_vocab_size: int
+    feature_width: int
+    """Width of the target features it reads."""
+    dtype: torch.dtype
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -111,11 +139,227 @@ def accept_chain(
     return accepted, sample_from(weights / weights.sum(-1, keepdim=True), generator)
 
 
+class SpecGraphs:
+    """Prepares the target (sharded) and the draft (whole) and compiles the step graphs,
+    each with its role fixed: target prefill chunk and verify, the commit, the draft's
+    chunk, extend and step; with ``cuda_graphs`` the per-step calls are captured once per
+    shape.  Its arguments must have been checked: ``prepare`` changes the models for good."""
+
+    def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
+                 comm: str, cuda_graphs: bool):
+        device = group.device
+        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
+        draft_example = (
+            torch.zeros(max_batch, 1, dtype=torch.long, device=device),
+            torch.zeros(max_batch, 1, dtype=torch.long, device=device),
+            torch.zeros(max_batch, 1, target.feature_width, device=device, dtype=draft.dtype),
+        )
+        prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
+        # Captured steps cannot sync to check positions on the host; admission control
+        # already keeps every request inside the cache.
+        checked = not cuda_graphs
+        self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm)
+        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm,
+                                           check_positions=checked)
+        self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
+        self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
+        self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
+        self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
+        self.commit = KVCommit(target)
+        self.commit_c = torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
+        # The per-step calls (verify, commit, draft extend and chain step) have fixed
+        # shapes; prefill chunks stay uncaptured.
+        self.graph_runners: list = []
+        self.draft_step = self.draft_forward
+        if cuda_graphs:
+            from dcp_compile.runtime.cuda_graphs import GraphRunner
+
+            pool = torch.cuda.graph_pool_handle()
+            self.target_verify, self.commit_c, self.draft_step = (
+                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.commit_c, self.draft_forward)
+            )
+            self.graph_runners = [self.target_verify, self.commit_c, self.draft_step]
+
+
+@dataclass
+class StepState:
+    """The batch on the device between steps."""
+
+    length: torch.Tensor
+    """``[B]`` committed target tokens; ``current`` sits at position ``length``."""
+    current: torch.Tensor
+    """``[B]`` the last emitted token, not yet in the target's cache."""
+    q_logits: torch.Tensor
+    """``[B, V_draft]`` the draft's logits for the next draft token."""
+    hidden: torch.Tensor
+    """``[B, 1, H]`` the draft's hidden state they came with."""
+    active: torch.Tensor
+    """``[B]`` bool: rows still generating."""
+
+
+class DeviceStep:
+    """Prefill and speculative steps on the device, for every row of the batch at once.
+    Nothing here reads the device from the host, except the optional rank check."""
+
+    def __init__(self, graphs: SpecGraphs, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int,
+                 chunk_size: int, temperature: float, check_ranks: bool, target_vocab: int, draft: SpecDraft):
+        self.graphs, self.group, self.k = graphs, group, k
+        self.max_batch, self.max_seq_len, self.chunk_size = max_batch, max_seq_len, chunk_size
+        self.temperature, self.check_ranks = temperature, check_ranks and group.size > 1
+        self.target_vocab, self.draft = target_vocab, draft
+        self.device = group.device
+        self.rows = torch.arange(max_batch, device=self.device)
+        self.steps = torch.arange(k + 1, device=self.device)
+        self.verify_steps = 0
+
+    def check_ranks_agree(self, step: int, logits: torch.Tensor, *decisions: torch.Tensor) -> None:
+        checksum = torch.cat([logits.double().sum(-1).flatten(), *(d.double().flatten() for d in decisions)])
+        differ = ranks_that_differ(self.group, checksum)
+        if differ:
+            where = "after the prefill" if step == 0 else f"at verify step {step}"
+            raise RuntimeError(
+                f"DCP ranks diverged {where}: ranks {differ} hold different merged target logits or accept "
+                f"decisions than rank 0, where every rank must hold bitwise the same. A rank's step read other "
+                f"inputs than the rest (a stale captured buffer, a cache written out of order) or its graph "
+                f"differs; rerun with cuda_graphs=False to see whether capture is involved"
+            )
+
+    def choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        return sample_from(_probs(logits, self.temperature), generator)
+
+    def propose(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token (target ids) and, when sampling, the draft's distribution over target ids."""
+        ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        if self.temperature == 0:
+            return ids[logits.argmax(-1)], None
+        q_draft = _probs(logits, self.temperature)
+        q = torch.zeros(logits.shape[0], self.target_vocab, dtype=q_draft.dtype, device=logits.device)
+        q = q.index_add_(1, ids, q_draft)
+        return sample_from(q, generator), q
+
+    def prefill(self, prompts: Sequence[Sequence[int]], live: list[bool], generator) -> StepState:
+        """Feed the prompts chunk by chunk through the target and then the draft.
+
+        The draft's chunk reads the target's features of the same chunk and the token one
+        ahead; at a row's last prompt position that token is the one just sampled, so the
+        draft runs after the target's logits are in.  The state holds, per row, the token
+        sampled after the prompt and the draft's logits and hidden state at the prompt's
+        last position, which propose the first draft token.
+        """
+        g, rows = self.graphs, self.rows
+        current = q_logits = hidden = None
+        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device):
+            last = chunk.last[:, None]
+            logits, features = g.target_prefill(chunk.tokens, chunk.positions, last)
+            sampled = self.choose(logits[:, 0], generator)
+            if self.check_ranks:
+                self.check_ranks_agree(0, logits[:, 0], sampled)
+            current = sampled if current is None else torch.where(chunk.ends, sampled, current)
+            next_tokens = chunk.next_tokens.clone()
+            next_tokens[rows, chunk.last] = torch.where(chunk.ends, current, next_tokens[rows, chunk.last])
+            chunk_q, chunk_hidden = g.draft_forward(next_tokens, chunk.positions, features, last)
+            ends = chunk.ends[:, None]
+            q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends, chunk_q[:, 0], q_logits)
+            hidden = chunk_hidden if hidden is None else torch.where(ends[:, :, None], chunk_hidden, hidden)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        return StepState(lengths, current, q_logits, hidden, torch.tensor(live, device=self.device))
+
+    def step(self, state: StepState, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft, verify, accept, commit and draft-extend once.  Returns ``(new_tokens [B,
+        k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``.
+        ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``."""
+        g, k, rows, steps = self.graphs, self.k, self.rows, self.steps
+        self.verify_steps += 1
+        q_logits, hidden = state.q_logits, state.hidden
+        drafts, draft_probs = [], []
+        for j in range(k):
+            token, q = self.propose(q_logits, generator)
+            drafts.append(token)
+            draft_probs.append(q)
+            if j < k - 1:
+                step_logits, step_hidden = g.draft_step(token[:, None], (state.length + j)[:, None], hidden)
+                q_logits, hidden = step_logits[:, 0], step_hidden
+        drafts = torch.stack(drafts, dim=1)  # [B, k]
+        verify_tokens = torch.cat([state.current[:, None], drafts], dim=1)
+        verify_positions = state.length[:, None] + steps
+        logits, features = g.target_verify(verify_tokens, verify_positions)
+        probs = torch.stack(draft_probs, dim=1) if self.temperature > 0 else None
+        accepted, bonus = accept_chain(logits, drafts, probs, self.temperature, generator)
+        accepted = torch.where(state.active, accepted, 0)
+        if self.check_ranks:
+            self.check_ranks_agree(self.verify_steps, logits, drafts, accepted, bonus)
+        new_tokens = torch.cat([drafts, bonus[:, None]], dim=1)
+        new_tokens[rows, accepted] = bonus
+        g.commit_c(state.length, torch.where(state.active, accepted + 1, 0))
+        # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
+        extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
+        extend_logits, extend_hidden = g.draft_step(extend_tokens, verify_positions, features, accepted[:, None])
+        state.q_logits, state.hidden = extend_logits[:, 0], extend_hidden
+        return new_tokens, accepted, bonus
+
+    def advance(self, state: StepState, accepted: torch.Tensor, bonus: torch.Tensor, live: list[bool]) -> None:
+        """Move the rows the host still serves past the step's tokens.  A row that
+        finished stays where it was: its later (ignored) verify windows must not run past
+        the cache it was admitted for."""
+        state.active = torch.tensor(live, device=self.device)
+        state.length = torch.where(state.active, state.length + accepted + 1, state.length)
+        state.current = torch.where(state.active, bonus, state.current)
+
+
+class RequestBook:
+    """The host's side: each request's tokens, accept counts and end, from one read of
+    the device per step."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_batch: int, max_seq_len: int, k: int,
+                 max_new_tokens: int, eos_id: int | None, on_tokens: Callable[[int, list[int]], None] | None):
+        self.outputs = [RequestOutput() for _ in prompts]
+        self.max_new_tokens, self.eos_id, self.on_tokens = max_new_tokens, eos_id, on_tokens
+        self.rows: list[Sequence[int]] = []
+        for out, prompt in zip(self.outputs, prompts):
+            need = len(prompt) + max_new_tokens + k + 1
+            if len(prompt) == 0 or need > max_seq_len:
+                out.finished_by, out.error = "refused", (
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + verify window {k + 1} needs "
+                    f"{need} cache positions; the cache holds max_seq_len={max_seq_len}"
+                    if prompt else "empty prompt"
+                )
+                self.rows.append([0])
+            else:
+                self.rows.append(prompt)
+        self.rows += [[0]] * (max_batch - len(prompts))
+        self.live = [o.finished_by == "" for o in self.outputs] + [False] * (max_batch - len(prompts))
+
+    def emit(self, new_tokens: torch.Tensor, counts: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
+        """Hand the step's tokens to the requests: one device-to-host copy for the batch."""
+        width = new_tokens.shape[1]
+        packed = torch.cat([new_tokens, counts[:, None], (accepted if accepted is not None else counts)[:, None]], 1)
+        host = packed.tolist()
+        for i, out in enumerate(self.outputs):
+            if not self.live[i]:
+                continue
+            if accepted is not None:
+                out.accepted.append(host[i][width + 1])
+            fresh = host[i][: host[i][width]]
+            fresh = fresh[: self.max_new_tokens - len(out.tokens)]
+            if self.eos_id is not None and self.eos_id in fresh:
+                fresh = fresh[: fresh.index(self.eos_id) + 1]
+                out.finished_by = "eos"
+            out.tokens += fresh
+            if not out.finished_by and len(out.tokens) >= self.max_new_tokens:
+                out.finished_by = "length"
+            if fresh and self.on_tokens is not None:
+                self.on_tokens(i, fresh)
+            if out.finished_by:
+                self.live[i] = False
+
+
 class SpecDecoder:
     """EAGLE / EAGLE3 chain speculative decoding over a DCP group.
 
-    ``target``: a model whose forward is ``(tokens, positions) -> (logits, features)``
-    (e.g. ``Llama`` with ``aux_layers``).  ``draft``: an ``EagleDraft`` built for it.
+    ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
+    ``draft``: a ``SpecDraft`` built for it (``EagleDraft``).
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
     ``dcp.backend``).  ``cuda_graphs``: capture the per-step calls (verify, commit, draft
     extend and step) in CUDA graphs once per shape and replay them.  ``check_ranks``: after
@@ -157,15 +401,19 @@ class SpecDecoder:
             )
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        target_vocab = target.cfg.vocab_size
-        if draft.cfg.target.vocab_size != target_vocab:
+        if draft.target_vocab_size != target.vocab_size:
             raise ValueError(
-                f"the draft was built for a target vocabulary of {draft.cfg.target.vocab_size} tokens but the target "
-                f"has {target_vocab}, and no draft-to-target map covers the difference; build the draft with "
+                f"the draft was built for a target vocabulary of {draft.target_vocab_size} tokens but the target "
+                f"has {target.vocab_size}, and no draft-to-target map covers the difference; build the draft with "
                 f"DraftConfig(target=target.cfg, ...) (an EAGLE3 draft vocabulary maps to target ids through d2t)"
             )
-        if not target.cfg.aux_layers:
+        if not target.feature_width:
             raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
+        if draft.feature_width != target.feature_width:
+            raise ValueError(
+                f"the draft reads target features {draft.feature_width} wide but the target returns "
+                f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...) for this target"
+            )
         if cuda_graphs and group.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
         # Every argument is checked above: nothing below may fail on one, since prepare
@@ -173,95 +421,17 @@ class SpecDecoder:
         self.target, self.draft, self.group = target, draft, group
         self.k, self.temperature, self.seed = k, temperature, seed
         self.chunk_size = chunk_size
-        self.check_ranks = check_ranks and group.size > 1
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
-        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
-        feature_width = target.cfg.dim * len(target.cfg.aux_layers)
-        draft_example = (
-            torch.zeros(max_batch, 1, dtype=torch.long, device=self.device),
-            torch.zeros(max_batch, 1, dtype=torch.long, device=self.device),
-            torch.zeros(max_batch, 1, feature_width, device=self.device, dtype=draft.fc.weight.dtype),
-        )
-        prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
-
-        # Captured steps cannot sync to check positions on the host; admission control
-        # below already keeps every request inside the cache.
-        checked = not cuda_graphs
-        self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm)
-        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm, check_positions=checked)
-        self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
-        self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
-        self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
-        self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
-        self.commit = KVCommit(target)
-        self.commit_c = torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
-        # The per-step calls (verify, commit, draft extend and chain step) have fixed
-        # shapes; prefills vary with the prompts and stay uncaptured.
-        self.graph_runners: list = []
-        self.draft_step = self.draft_forward
-        if cuda_graphs:
-            from dcp_compile.runtime.cuda_graphs import GraphRunner
-
-            pool = torch.cuda.graph_pool_handle()
-            self.target_verify, self.commit_c, self.draft_step = (
-                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.commit_c, self.draft_forward)
-            )
-            self.graph_runners = [self.target_verify, self.commit_c, self.draft_step]
-
-    def _check_ranks_agree(self, step: int, logits: torch.Tensor, *decisions: torch.Tensor) -> None:
-        checksum = torch.cat([logits.double().sum(-1).flatten(), *(d.double().flatten() for d in decisions)])
-        differ = ranks_that_differ(self.group, checksum)
-        if differ:
-            where = "after the prefill" if step == 0 else f"at verify step {step}"
-            raise RuntimeError(
-                f"DCP ranks diverged {where}: ranks {differ} hold different merged target logits or accept "
-                f"decisions than rank 0, where every rank must hold bitwise the same. A rank's step read other "
-                f"inputs than the rest (a stale captured buffer, a cache written out of order) or its graph "
-                f"differs; rerun with cuda_graphs=False to see whether capture is involved"
-            )
-
-    def _choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        return sample_from(_probs(logits, self.temperature), generator)
-
-    def _draft_propose(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft token (target ids) and, when sampling, the draft's distribution over target ids."""
-        vocab = self.target.cfg.vocab_size
-        ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        if self.temperature == 0:
-            return ids[logits.argmax(-1)], None
-        q_draft = _probs(logits, self.temperature)
-        q = torch.zeros(logits.shape[0], vocab, dtype=q_draft.dtype, device=logits.device).index_add_(1, ids, q_draft)
-        return sample_from(q, generator), q
-
-    def _prefill(self, prompts: Sequence[Sequence[int]], generator):
-        """Feed the prompts chunk by chunk through the target and then the draft.
-
-        Returns the prompt lengths, the token sampled after each prompt, and the
-        draft's logits and hidden state at the last prompt position, which propose the
-        first draft token.  The draft's chunk reads the target's features of the same
-        chunk and the token one ahead; at a row's last prompt position that token is the
-        one just sampled, so the draft runs after the target's logits are in.
-        """
-        rows = torch.arange(self.max_batch, device=self.device)
-        current = q_logits = hidden = None
-        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device):
-            last = chunk.last[:, None]
-            logits, features = self.target_prefill(chunk.tokens, chunk.positions, last)
-            sampled = self._choose(logits[:, 0], generator)
-            if self.check_ranks:
-                self._check_ranks_agree(0, logits[:, 0], sampled)
-            current = sampled if current is None else torch.where(chunk.ends, sampled, current)
-            next_tokens = chunk.next_tokens.clone()
-            next_tokens[rows, chunk.last] = torch.where(chunk.ends, current, next_tokens[rows, chunk.last])
-            chunk_q, chunk_hidden = self.draft_forward(next_tokens, chunk.positions, features, last)
-            ends = chunk.ends[:, None]
-            q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends, chunk_q[:, 0], q_logits)
-            hidden = chunk_hidden if hidden is None else torch.where(ends[:, :, None], chunk_hidden, hidden)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        return lengths, current, q_logits, hidden
+        graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
+                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs)
+        self.graphs = graphs
+        self.target_backend, self.verify_backend, self.draft_backend = (
+            graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
+        self.graph_runners = graphs.graph_runners
+        self.device_step = DeviceStep(graphs, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
+                                      chunk_size=chunk_size, temperature=temperature, check_ranks=check_ranks,
+                                      target_vocab=target.vocab_size, draft=draft)
 
     @torch.no_grad()
     def generate(
@@ -277,88 +447,16 @@ class SpecDecoder:
             raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}; split the batch")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        k, B, dev = self.k, self.max_batch, self.device
-        outputs = [RequestOutput() for _ in prompts]
-        rows_prompts: list[Sequence[int]] = []
-        for i, prompt in enumerate(prompts):
-            need = len(prompt) + max_new_tokens + k + 1
-            if len(prompt) == 0 or need > self.max_seq_len:
-                outputs[i].finished_by, outputs[i].error = "refused", (
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + verify window {k + 1} needs "
-                    f"{need} cache positions; the cache holds max_seq_len={self.max_seq_len}"
-                    if prompt else "empty prompt"
-                )
-                rows_prompts.append([0])
-            else:
-                rows_prompts.append(prompt)
-        rows_prompts += [[0]] * (B - len(prompts))
-        live = [o.finished_by == "" for o in outputs] + [False] * (B - len(prompts))
-        active = torch.tensor(live, device=dev)
-        generator = torch.Generator(device=dev).manual_seed(self.seed)
-        rows = torch.arange(B, device=dev)
-
-        def emit(new_tokens: torch.Tensor, counts: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
-            """Hand the step's tokens to the requests: one device-to-host copy for the batch."""
-            width = new_tokens.shape[1]
-            packed = torch.cat([new_tokens, counts[:, None], (accepted if accepted is not None else counts)[:, None]], 1)
-            host = packed.tolist()
-            for i, out in enumerate(outputs):
-                if not live[i]:
-                    continue
-                if accepted is not None:
-                    out.accepted.append(host[i][width + 1])
-                fresh = host[i][: host[i][width]]
-                fresh = fresh[: max_new_tokens - len(out.tokens)]
-                if eos_id is not None and eos_id in fresh:
-                    fresh = fresh[: fresh.index(eos_id) + 1]
-                    out.finished_by = "eos"
-                out.tokens += fresh
-                if not out.finished_by and len(out.tokens) >= max_new_tokens:
-                    out.finished_by = "length"
-                if fresh and on_tokens is not None:
-                    on_tokens(i, fresh)
-                if out.finished_by:
-                    live[i] = False
-
-        lengths, current, q_logits, hidden = self._prefill(rows_prompts, generator)
-        emit(current[:, None], torch.ones(B, dtype=torch.long, device=dev))
-        active = torch.tensor(live, device=dev)
-        length = lengths.clone()  # committed target tokens; `current` sits at position `length`
-
-        steps = torch.arange(k + 1, device=dev)
-        verify_step = 0
-        while any(live):
-            verify_step += 1
-            drafts, draft_probs = [], []
-            for j in range(k):
-                token, q = self._draft_propose(q_logits, generator)
-                drafts.append(token)
-                draft_probs.append(q)
-                if j < k - 1:
-                    step_logits, step_hidden = self.draft_step(token[:, None], (length + j)[:, None], hidden)
-                    q_logits, hidden = step_logits[:, 0], step_hidden
-            drafts = torch.stack(drafts, dim=1)  # [B, k]
-            verify_tokens = torch.cat([current[:, None], drafts], dim=1)
-            verify_positions = length[:, None] + steps
-            logits, features = self.target_verify(verify_tokens, verify_positions)
-            probs = torch.stack(draft_probs, dim=1) if self.temperature > 0 else None
-            accepted, bonus = accept_chain(logits, drafts, probs, self.temperature, generator)
-            accepted = torch.where(active, accepted, 0)
-            if self.check_ranks:
-                self._check_ranks_agree(verify_step, logits, drafts, accepted, bonus)
-            new_tokens = torch.cat([drafts, bonus[:, None]], dim=1)
-            new_tokens[rows, accepted] = bonus
-            committed = torch.where(active, accepted + 1, 0)
-            self.commit_c(length, committed)
-            # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
-            extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
-            extend_logits, extend_hidden = self.draft_step(extend_tokens, verify_positions, features, accepted[:, None])
-            q_logits, hidden = extend_logits[:, 0], extend_hidden
+        book = RequestBook(prompts, self.max_batch, self.max_seq_len, self.k, max_new_tokens, eos_id, on_tokens)
+        step = self.device_step
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        step.verify_steps = 0
+        state = step.prefill(book.rows, book.live, generator)
+        book.emit(state.current[:, None], torch.ones(self.max_batch, dtype=torch.long, device=self.device))
+        state.active = torch.tensor(book.live, device=self.device)
+        while any(book.live):
+            new_tokens, accepted, bonus = step.step(state, generator)
             # The host reads the step only now, with the commit and the draft queued.
-            emit(new_tokens, accepted + 1, accepted)
-            active = torch.tensor(live, device=dev)
-            # A row that finished stays where it was: its later (ignored) verify windows
-            # must not run past the cache it was admitted for.
-            length = torch.where(active, length + accepted + 1, length)
-            current = torch.where(active, bonus, current)
-        return outputs
+            book.emit(new_tokens, accepted + 1, accepted)
+            step.advance(state, accepted, bonus, book.live)
+        return book.outputs

@@ -154,3 +154,10 @@ def test_the_loop_reads_the_device_once_per_step():
     steps = max(len(o.accepted) for o in outputs)
     assert steps > 3 and all(o.finished_by == "length" for o in outputs)
     assert reads == ["tolist"] * (steps + 1), reads
+
+
+def test_a_draft_for_other_features_is_refused():
+    cfg = LlamaConfig(n_layers=4, aux_layers=(0, 1, 2))
+    eagle = EagleDraft(DraftConfig(cfg, "eagle"))  # reads the final hidden state alone
+    with pytest.raises(ValueError, match=r"reads target features 64 wide but the target returns 192"):
+        SpecDecoder(make_model(cfg), eagle, dcp.init_group("cpu"), k=2, max_batch=3, max_seq_len=64)
