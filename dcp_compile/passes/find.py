@@ -234,11 +234,8 @@ def _read_chain(node: Node, caches: dict[Node, KVCache]) -> tuple[KVCache, list[
     return caches[node], chain[::-1]
 
 
-def find(gm: GraphModule) -> Plan:
-    """Analyse ``gm``; see the module docstring for what is found and what raises."""
-    inputs = _placeholders(gm)
-    input_index = {node: i for i, node in enumerate(inputs)}
-
+def _collect_writes(gm: GraphModule, input_index: dict[Node, int]) -> dict[Node, KVWrite]:
+    """Every KV write, by the cache it writes: one write per cache, into the cache itself."""
     writes_by_cache: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
         if op_name(node) not in WRITE_KINDS or not node.args or not isinstance(node.args[0], Node):
@@ -251,8 +248,6 @@ def find(gm: GraphModule) -> Plan:
                 f"{op_name(node)} at {where(node)} writes into a view of graph input "
                 f"{placeholder_name(_root_input(target))}; expected KV writes into the cache buffer itself"
             )
-
-    caches: dict[Node, KVCache] = {}
     writes: dict[Node, KVWrite] = {}
     for cache_node, write_nodes in writes_by_cache.items():
         if len(write_nodes) != 1:
@@ -264,10 +259,14 @@ def find(gm: GraphModule) -> Plan:
         write_node = write_nodes[0]
         index = analyse_write(write_node, cache_node)
         cache = KVCache(cache_node, input_index[cache_node], placeholder_name(cache_node), index.seq_dim)
-        caches[cache_node] = cache
         value = arg(write_node, 3, "source") if index.kind == "index_copy_" else write_node.args[2]
         writes[cache_node] = KVWrite(write_node, cache, index, positions_node(write_node, index), value)
+    return writes
 
+
+def _collect_sites(gm: GraphModule, writes: dict[Node, KVWrite]) -> tuple[list[AttentionSite], set[Node]]:
+    """Every SDPA over two caches, with its mask proof; and the nodes those reads explain."""
+    caches = {node: w.cache for node, w in writes.items()}
     sites: list[AttentionSite] = []
     explained: set[Node] = {w.node for w in writes.values()}
     for node in gm.graph.nodes:
@@ -276,7 +275,7 @@ def find(gm: GraphModule) -> Plan:
         q, k, v = node.args[:3]
         reads = [_read_chain(operand, caches) for operand in (k, v)]
         if any(r is None for r in reads):
-            continue  # not over two caches: either no cache at all, or caught as an unexplained read below
+            continue  # not over two caches: either no cache at all, or caught as an unexplained read
         (k_cache, k_chain), (v_cache, v_chain) = reads
         _replay_read(k_chain, k_cache)
         _replay_read(v_chain, v_cache)
@@ -297,9 +296,12 @@ def find(gm: GraphModule) -> Plan:
         )
         sites.append(AttentionSite(node, q, k_write, v_write, scale, mask))
         explained.update(k_chain, v_chain, (node,))
+    return sites, explained
 
-    # Everything that consumes cache data must be a write, a recognised view chain, or
-    # a site (whose output is attention, no longer cache data).
+
+def _check_reads(gm: GraphModule, caches, explained: set[Node]) -> None:
+    """Everything that consumes cache data must be a write, a recognised view chain, or
+    a site (whose output is attention, no longer cache data)."""
     frontier, seen, unexplained = list(caches), set(caches), []
     while frontier:
         node = frontier.pop()
@@ -311,27 +313,35 @@ def find(gm: GraphModule) -> Plan:
                 unexplained.append(user)
             elif not is_sdpa(user) and op_name(user) not in WRITE_KINDS:
                 frontier.append(user)
-    if unexplained:
-        order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        first = min(unexplained, key=order.__getitem__)
-        if is_flex_attention(first):
-            raise GraphPatternError(
-                f"flex_attention over a KV cache at {where(first)} is not supported yet; "
-                f"use F.scaled_dot_product_attention for attention over the cache"
-            )
+    if not unexplained:
+        return
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first = min(unexplained, key=order.__getitem__)
+    if is_flex_attention(first):
         raise GraphPatternError(
-            f"a KV cache is read by {op_name(first) or first.op!r} at {where(first)}, which the passes cannot "
-            f"shard; read caches only through F.scaled_dot_product_attention, directly or through "
-            f"layout views and a GQA head replication"
+            f"flex_attention over a KV cache at {where(first)} is not supported yet; "
+            f"use F.scaled_dot_product_attention for attention over the cache"
         )
+    raise GraphPatternError(
+        f"a KV cache is read by {op_name(first) or first.op!r} at {where(first)}, which the passes cannot "
+        f"shard; read caches only through F.scaled_dot_product_attention, directly or through "
+        f"layout views and a GQA head replication"
+    )
 
+
+def find(gm: GraphModule) -> Plan:
+    """Analyse ``gm``; see the module docstring for what is found and what raises."""
+    input_index = {node: i for i, node in enumerate(_placeholders(gm))}
+    writes = _collect_writes(gm, input_index)
+    sites, explained = _collect_sites(gm, writes)
+    _check_reads(gm, list(writes), explained)
     mask_inputs = {input_index[t] for site in sites if site.mask.proven for t in site.mask.tables}
     position_inputs = {
         (input_index[source[0]], source[1])
         for w in writes.values() if (source := _position_source(w.positions)) is not None
     }
     return Plan(
-        caches=tuple(caches.values()),
+        caches=tuple(w.cache for w in writes.values()),
         writes=tuple(writes.values()),
         sites=tuple(sites),
         mask_inputs=tuple(sorted(mask_inputs)),
