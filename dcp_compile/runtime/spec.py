@@ -367,9 +367,10 @@ class SpecDecoder:
     decisions across ranks (one small eager all-gather per step) and raise on the first
     difference; a debugging aid, since ranks that disagree would otherwise run different
     numbers of steps and hang in a collective.  ``chunk_size``: prompt tokens per row
-    and prefill step (default ``min(DEFAULT_CHUNK_SIZE, max_seq_len)``); every prompt, however long, is fed in ``[max_batch, chunk_size]``
-    chunks (one compiled graph each for the target and the draft), so a prefill's
-    memory is bounded by the chunk and a new prompt width never recompiles.
+    and prefill step (default ``min(DEFAULT_CHUNK_SIZE, max_seq_len)``); every prompt,
+    however long, is fed in ``[max_batch, chunk_size]`` chunks (one compiled graph each
+    for the target and the draft), so a prefill's memory is bounded by the chunk and a
+    new prompt width never recompiles.
     """
 
     def __init__(
