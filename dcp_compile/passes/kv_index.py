@@ -105,27 +105,49 @@ def _write_entries(node: Node, ndim: int) -> list:
 
 def analyse_write(node: Node, cache: Node) -> WriteIndex:
     """Describe the KV write ``node`` into the cache placeholder ``cache``."""
-    kind = op_name(node)
     cache_shape = shape_of(cache)
     if len(cache_shape) != 4:
         raise GraphPatternError(
             f"KV cache {cache.name} written at {where(node)} has shape {cache_shape}; expected a 4-D "
             f"[batch, heads, seq, head_dim] or [batch, seq, heads, head_dim] buffer"
         )
-    batch = cache_shape[0]
     cache_dtype = cache.meta["example_value"].dtype
-    if kind == "index_copy_":
-        seq_dim = int(arg(node, 1, "dim")) % 4
-        if seq_dim not in (1, 2):
-            raise GraphPatternError(f"index_copy_ at {where(node)} writes along dim {seq_dim}; expected dim 1 or 2")
-        positions = arg(node, 2, "index")
-        tokens = shape_of(positions)[0]
-        tags = ["B", "H", "H", "D"]
-        tags[seq_dim] = "T"
-        value_shape = list(cache_shape)
-        value_shape[seq_dim] = tokens
-        return WriteIndex(kind, seq_dim, (2,), tuple(value_shape), tuple(tags), (tokens,), ("T",), batch, cache_dtype)
+    if op_name(node) == "index_copy_":
+        return _index_copy_write(node, cache_shape, cache_dtype)
+    return _indexed_write(node, cache_shape, cache_dtype)
 
+
+def _index_copy_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.dtype) -> WriteIndex:
+    """``cache.index_copy_(seq_dim, positions [T], value)``: every row at the same positions."""
+    seq_dim = int(arg(node, 1, "dim")) % 4
+    if seq_dim not in (1, 2):
+        raise GraphPatternError(f"index_copy_ at {where(node)} writes along dim {seq_dim}; expected dim 1 or 2")
+    tokens = shape_of(arg(node, 2, "index"))[0]
+    tags = ["B", "H", "H", "D"]
+    tags[seq_dim] = "T"
+    value_shape = list(cache_shape)
+    value_shape[seq_dim] = tokens
+    return WriteIndex("index_copy_", seq_dim, (2,), tuple(value_shape), tuple(tags), (tokens,), ("T",),
+                      cache_shape[0], cache_dtype)
+
+
+def _position_tags(index_shapes: dict[int, tuple[int, ...]], bshape, seq_dim: int, batch_indexed: bool) -> list[str]:
+    """Per axis of the broadcast index shape: ``B`` where the batch index varies, ``T``
+    where the positions do, ``1`` elsewhere."""
+
+    def varies(d: int, axis: int) -> bool:
+        shape = index_shapes[d]
+        k = axis - (len(bshape) - len(shape))
+        return k >= 0 and shape[k] > 1
+
+    return ["B" if batch_indexed and varies(0, axis) else "T" if varies(seq_dim, axis) else "1"
+            for axis in range(len(bshape))]
+
+
+def _indexed_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.dtype) -> WriteIndex:
+    """``cache[..., positions, ...] = value`` or ``index_put_``, with numpy's advanced-indexing
+    rules deciding where the index axes land in the written value."""
+    batch = cache_shape[0]
     entries = _write_entries(node, 4)
     if entries[3] is not None:
         raise GraphPatternError(f"KV write at {where(node)} indexes the head-size axis; expected a full slice there")
@@ -143,23 +165,9 @@ def analyse_write(node: Node, cache: Node) -> WriteIndex:
             f"axis 1 or 2, plus optionally torch.arange over the batch on axis 0"
         )
     seq_dim = seq_dims[0]
-    positions = entries[seq_dim]
     index_shapes = {d: shape_of(entries[d]) for d in indexed}
     bshape = tuple(torch.broadcast_shapes(*index_shapes.values()))
-
-    def varies(d: int, axis: int) -> bool:
-        shape = index_shapes[d]
-        k = axis - (len(bshape) - len(shape))
-        return k >= 0 and shape[k] > 1
-
-    position_tags = []
-    for axis in range(len(bshape)):
-        if batch_indexed and varies(0, axis):
-            position_tags.append("B")
-        elif varies(seq_dim, axis):
-            position_tags.append("T")
-        else:
-            position_tags.append("1")
+    position_tags = _position_tags(index_shapes, bshape, seq_dim, batch_indexed)
     if position_tags.count("B") > 1 or position_tags.count("T") > 1:
         raise GraphPatternError(
             f"KV write at {where(node)} uses index shapes {list(index_shapes.values())}; expected "
@@ -167,16 +175,19 @@ def analyse_write(node: Node, cache: Node) -> WriteIndex:
         )
     cache_tags = {0: "B", 3: "D", seq_dim: "S", 3 - seq_dim: "H"}
     if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        # Adjacent index axes: the broadcast index shape takes their place.
         value_tags = [cache_tags[d] for d in range(indexed[0])] + position_tags
         value_tags += [cache_tags[d] for d in range(indexed[-1] + 1, 4)]
         value_shape = list(cache_shape[: indexed[0]]) + list(bshape) + list(cache_shape[indexed[-1] + 1 :])
     else:
+        # Separated index axes: the broadcast index shape goes first.
         rest = [d for d in range(4) if d not in indexed]
         value_tags = position_tags + [cache_tags[d] for d in rest]
         value_shape = list(bshape) + [cache_shape[d] for d in rest]
-    slot = entries.index(positions)
+    slot = entries.index(entries[seq_dim])
     return WriteIndex(
-        kind, seq_dim, (1, slot), tuple(value_shape), tuple(value_tags), bshape, tuple(position_tags), batch, cache_dtype
+        op_name(node), seq_dim, (1, slot), tuple(value_shape), tuple(value_tags), bshape, tuple(position_tags), batch,
+        cache_dtype,
     )
 
 
