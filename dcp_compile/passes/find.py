@@ -154,64 +154,13 @@ def _replay_read(chain: list[Node], cache: KVCache) -> int:
     tags[cache.seq_dim] = "S"
     repeat = 1
     for node in chain:
-        name = op_name(node)
-        shape_in = shape_of(node.args[0])
-        shape_out = shape_of(node)
         fail = GraphPatternError(
-            f"target attention reads KV cache {cache.name} through {name!r} at {where(node)}, a view the "
+            f"target attention reads KV cache {cache.name} through {op_name(node)!r} at {where(node)}, a view the "
             f"passes do not understand (expected layout-only views and a GQA head replication)"
         )
-        if name in _LAYOUT_ONLY:
-            if shape_in != shape_out:
-                raise fail
-        elif name in ("transpose", "swapaxes"):
-            a, b = (_dim(int(d), len(tags)) for d in node.args[1:3])
-            tags[a], tags[b] = tags[b], tags[a]
-        elif name == "permute":
-            dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
-            tags = [tags[_dim(int(d), len(tags))] for d in dims]
-        elif name == "repeat_interleave":
-            repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
-            if not isinstance(repeats, int) or dim is None or tags[_dim(int(dim), len(tags))] != "H":
-                raise fail
-            repeat *= repeats
-        elif name == "unsqueeze":
-            tags.insert(_dim(int(node.args[1]), len(tags) + 1), "1")
-        elif name == "getitem":
-            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            index = expand_ellipsis(index, len(tags))
-            new_tags, src = [], iter(tags)
-            for entry in index:
-                if entry is None:
-                    new_tags.append("1")
-                elif entry == slice(None):
-                    new_tags.append(next(src))
-                else:
-                    raise fail
-            tags = new_tags + list(src)
-        elif name == "expand":
-            for d, (old, new) in enumerate(zip(shape_in, shape_out)):
-                if old != new:
-                    if tags[d] != "1":
-                        raise fail
-                    tags[d] = "G"
-        elif name in ("reshape", "view", "flatten"):
-            merged = next(
-                (i for i in range(len(tags) - 1) if tags[i] == "H" and tags[i + 1] == "G"),
-                None,
-            )
-            if shape_out == shape_in:
-                pass
-            elif merged is not None and shape_out == (
-                shape_in[:merged] + (shape_in[merged] * shape_in[merged + 1],) + shape_in[merged + 2 :]
-            ):
-                repeat *= shape_in[merged + 1]
-                tags[merged : merged + 2] = ["H"]
-            else:
-                raise fail
-        else:
-            raise fail
-        if len(tags) != len(shape_out):
+        tags, factor = _read_step(node, tags, fail)
+        repeat *= factor
+        if len(tags) != len(shape_of(node)):
             raise fail
     if tags != ["B", "H", "S", "D"]:
         raise GraphPatternError(
@@ -219,6 +168,62 @@ def _replay_read(chain: list[Node], cache: KVCache) -> int:
             f"expected [batch, heads, seq, head_dim] with heads replicated by repeat_interleave or expand"
         )
     return repeat
+
+
+def _read_step(node: Node, tags: list[str], fail: GraphPatternError) -> tuple[list[str], int]:
+    """What one op of a read chain does to the axes' tags (``B``, ``H``, ``S``, ``D``, a
+    unit axis ``1``, a GQA group ``G``), and by how much it replicates the heads."""
+    name = op_name(node)
+    shape_in, shape_out = shape_of(node.args[0]), shape_of(node)
+    tags = list(tags)
+    if name in _LAYOUT_ONLY:
+        if shape_in != shape_out:
+            raise fail
+        return tags, 1
+    if name in ("transpose", "swapaxes"):
+        a, b = (_dim(int(d), len(tags)) for d in node.args[1:3])
+        tags[a], tags[b] = tags[b], tags[a]
+        return tags, 1
+    if name == "permute":
+        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return [tags[_dim(int(d), len(tags))] for d in dims], 1
+    if name == "repeat_interleave":
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if not isinstance(repeats, int) or dim is None or tags[_dim(int(dim), len(tags))] != "H":
+            raise fail
+        return tags, repeats
+    if name == "unsqueeze":
+        tags.insert(_dim(int(node.args[1]), len(tags) + 1), "1")
+        return tags, 1
+    if name == "getitem":
+        index = expand_ellipsis(node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],), len(tags))
+        new_tags, src = [], iter(tags)
+        for entry in index:
+            if entry is None:
+                new_tags.append("1")
+            elif entry == slice(None):
+                new_tags.append(next(src))
+            else:
+                raise fail
+        return new_tags + list(src), 1
+    if name == "expand":
+        for d, (old, new) in enumerate(zip(shape_in, shape_out)):
+            if old != new:
+                if tags[d] != "1":
+                    raise fail
+                tags[d] = "G"
+        return tags, 1
+    if name in ("reshape", "view", "flatten"):
+        if shape_out == shape_in:
+            return tags, 1
+        # Folding a GQA group into the heads: [.., H, G, ..] -> [.., H*G, ..].
+        merged = next((i for i in range(len(tags) - 1) if tags[i] == "H" and tags[i + 1] == "G"), None)
+        if merged is not None and shape_out == (
+            shape_in[:merged] + (shape_in[merged] * shape_in[merged + 1],) + shape_in[merged + 2 :]
+        ):
+            tags[merged : merged + 2] = ["H"]
+            return tags, shape_in[merged + 1]
+    raise fail
 
 
 def _read_chain(node: Node, caches: dict[Node, KVCache]) -> tuple[KVCache, list[Node]] | None:
