@@ -50,7 +50,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from dcp_compile.layout import KVLayout
-from dcp_compile.models.llama import LlamaConfig
+from dcp_compile.models.llama import LlamaConfig, TargetFacts
 from dcp_compile.ops.guard import guard
 from dcp_compile.records import CacheRecord, register
 from dcp_compile.group import DCPGroup
@@ -283,7 +283,7 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class DCPCausalLM(nn.Module):
+class DCPCausalLM(TargetFacts, nn.Module):
     """An HF causal LM as ``forward(tokens [B, T], positions [B, T]) -> logits [B, T, V]``
     (fp32), or ``(logits, features [B, T, len(aux_layers) * hidden])`` with ``aux_layers``.
 
@@ -315,15 +315,6 @@ class DCPCausalLM(nn.Module):
             if i < self.cfg.n_layers else decoder.norm.register_forward_hook(self._keep_output(i))
             for i in aux_layers
         ]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def feature_width(self) -> int:
-        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
-        return self.cfg.dim * len(self.cfg.aux_layers)
 
     def remove_hooks(self) -> None:
         """Take the feature hooks off the wrapped model, giving it back as it was; the

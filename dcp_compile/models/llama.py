@@ -199,7 +199,22 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(RopeTables):
+class TargetFacts:
+    """What ``SpecDecoder`` reads of a target (``runtime.spec.SpecTarget``), from its ``cfg``."""
+
+    cfg: LlamaConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
+        return self.cfg.dim * len(self.cfg.aux_layers)
+
+
+class Llama(TargetFacts, RopeTables):
     """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
     ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set.
 
@@ -221,15 +236,6 @@ class Llama(RopeTables):
         self.to(device=device, dtype=dtype)
         for layer in self.layers:
             layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def feature_width(self) -> int:
-        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
-        return self.cfg.dim * len(self.cfg.aux_layers)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_at: torch.Tensor | None = None):
         x = self.tok_embeddings(tokens)
