@@ -21,6 +21,7 @@ def test_gpt_fast_parity(size):
     assert r["collectives"] == [4, 4], "prefill and decode graphs: all-gather + wait per layer"
     assert r["mask_buffers"] == ("causal_mask",) and r["causal_mask"] == (64, -(-64 // size) + 1)
     assert "causal-mask table causal_mask" in r["banded_error"] and "not lower triangular" in r["banded_error"]
+    assert "batch of 3 rows, but the model was prepared for max_batch=2" in r["batch_error"]
     assert len(r["generate_py_errors"]) == (2 if size == 2 else 0)
     for name, error in r["generate_py_errors"].items():
         assert error is not None and "did not go through a graph compiled by dcp.backend" in error, (name, error)

@@ -144,3 +144,4 @@ def test_a_sharded_cache_written_outside_a_dcp_graph_is_refused_before_the_write
             assert error is not None and "did not go through a graph compiled by dcp.backend" in error, (route, error)
         assert all(r["untouched"].values()), r["untouched"]
         torch.testing.assert_close(r["logits"], r["reference"], **FP32_TOLERANCE)
+        assert "batch of 3 rows, but the model was prepared for max_batch=2" in r["batch_error"]

@@ -159,6 +159,13 @@ def gpt_fast_worker(rank, size, steps):
         except Exception as error:
             generate_py_errors[name] = str(error)
 
+    try:
+        with torch.no_grad():
+            model_c(torch.zeros(batch + 1, 1, dtype=torch.long), torch.tensor([prompt.shape[1]]))
+        batch_error = None
+    except Exception as error:  # Dynamo wraps the hook's ValueError
+        batch_error = str(error)
+
     banded = build()
     banded.causal_mask = banded.causal_mask & ~torch.tril(torch.ones_like(banded.causal_mask), -8)
     try:
@@ -169,7 +176,7 @@ def gpt_fast_worker(rank, size, steps):
     return dict(tokens=tokens, reference_tokens=ref_tokens, logits=logits, reference_logits=ref_logits,
                 collectives=backend.collective_counts, mask_buffers=prepared.mask_buffers,
                 causal_mask=tuple(model.causal_mask.shape), banded_error=banded_error,
-                generate_py_errors=generate_py_errors)
+                generate_py_errors=generate_py_errors, batch_error=batch_error)
 
 
 def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
@@ -260,7 +267,14 @@ def hf_refusal_worker(rank, size):
         prefill = compiled(input_ids=prompt, **{kw: cache}).logits[:, -1].float()
     token = prefill.argmax(-1)[:, None]
     attempt("uncompiled decode after a compiled prefill", lambda: model(input_ids=token, **{kw: cache}))
+    try:
+        with torch.no_grad():
+            compiled(input_ids=torch.cat([token, token[:1]]), **{kw: cache})
+        batch_error = None
+    except Exception as error:
+        batch_error = str(error)
     with torch.no_grad():
         decode = compiled(input_ids=token, **{kw: cache}).logits[:, -1].float()
         reference = model(input_ids=torch.cat([prompt, token], dim=1)).logits[:, -2:].float()
-    return dict(errors=errors, untouched=untouched, logits=torch.stack([prefill, decode], 1), reference=reference)
+    return dict(errors=errors, untouched=untouched, logits=torch.stack([prefill, decode], 1), reference=reference,
+                batch_error=batch_error)
