@@ -1,0 +1,79 @@
+"""The reference MLA target: the absorbed, latent-cache decode computes the textbook
+attention, step by step, for every sequence at its own positions."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.models.llama import init_weights
+from dcp_compile.models.mla import MLAConfig, MLATransformer, deepseek_v2_lite_shape, deepseek_v3_attention_shape
+from dcp_compile.passes import GraphPatternError
+
+
+def model(cfg: MLAConfig, seed: int = 0) -> MLATransformer:
+    return init_weights(MLATransformer(cfg, dtype=torch.float64), seed, std=0.2).eval()
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_absorbed_prefill_equals_decompressed_attention(q_lora_rank):
+    cfg = MLAConfig(q_lora_rank=q_lora_rank)
+    m = model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 11), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(11).expand(cfg.max_batch, 11)
+    with torch.no_grad():
+        cached = m(tokens, positions)
+        textbook = m.forward_decompressed(tokens)
+    torch.testing.assert_close(cached, textbook, rtol=1e-5, atol=1e-5)  # the logits and the softmax are fp32 by design
+
+
+def test_decode_steps_at_ragged_positions_equal_recomputing_each_sequence():
+    cfg = MLAConfig(aux_layers=(1, 2))
+    m = model(cfg, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [4, 9, 13]
+    seqs = [torch.randint(0, cfg.vocab_size, (n + 6,), generator=gen) for n in lengths]
+    width = max(lengths)
+    prompt = torch.zeros(cfg.max_batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        prompt[row, :n] = seqs[row][:n]
+    with torch.no_grad():
+        m(prompt, torch.arange(width).expand(cfg.max_batch, width))  # right-padded prefill
+        for step in range(6):
+            tokens = torch.stack([s[n + step] for s, n in zip(seqs, lengths)])[:, None]
+            positions = torch.tensor(lengths)[:, None] + step
+            logits, features = m(tokens, positions)
+            for row, n in enumerate(lengths):
+                full_logits, full_features = m.forward_decompressed(seqs[row][None, : n + step + 1])
+                torch.testing.assert_close(logits[row, 0], full_logits[0, -1], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(features[row, 0], full_features[0, -1], rtol=1e-5, atol=1e-5)
+    assert m.feature_width == 2 * cfg.dim and m.vocab_size == cfg.vocab_size
+
+
+def test_the_cache_holds_one_latent_head_per_token():
+    cfg = MLAConfig()
+    m = MLATransformer(cfg)
+    attention = m.layers[0].attention
+    assert attention.kv_cache.shape == (cfg.max_batch, cfg.max_seq_len, cfg.kv_lora_rank)
+    assert attention.pe_cache.shape == (cfg.max_batch, cfg.max_seq_len, cfg.qk_rope_head_dim)
+    assert deepseek_v2_lite_shape().cache_width == 576 and deepseek_v3_attention_shape().cache_width == 576
+    assert deepseek_v3_attention_shape().q_lora_rank == 1536 and deepseek_v2_lite_shape().n_heads == 16
+
+
+def test_logits_at_picks_each_rows_position():
+    cfg = MLAConfig()
+    m = model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 7), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(7).expand(cfg.max_batch, 7)
+    at = torch.tensor([[6], [2], [4]])
+    with torch.no_grad():
+        full = m(tokens, positions)
+        picked = m(tokens, positions, at)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(3), at[:, 0]], rtol=1e-12, atol=1e-12)
+
+
+def test_dcp_refuses_the_latent_cache_with_the_line_that_writes_it():
+    cfg = MLAConfig()
+    with pytest.raises(GraphPatternError, match=r"kv_cache.*expected a 4-D") as error:
+        dcp.prepare(MLATransformer(cfg), dcp.init_group("cpu"), "target", max_batch=cfg.max_batch,
+                    max_seq_len=cfg.max_seq_len)
+    assert "mla.py:" in str(error.value)
