@@ -18,9 +18,10 @@ buffers.  ``DCPStaticCache`` is the drop-in for ``StaticCache`` that holds this 
     logits = model_c(input_ids=next_ids, past_key_values=cache).logits        # decode, T = 1
     cache.reset()                                                               # next batch
 
-As with ``StaticCache``, the batch shares one length (HF's cache position is 1-D), and
-``attention_mask`` must be left out: a padding mask cannot be proven causal and is
-refused.  Sliding-window layers (Mistral with ``sliding_window`` set, Qwen2 with
+As with ``StaticCache``, the batch shares one length (HF's cache position is 1-D).  A
+2-D ``attention_mask`` (padding) is proven as a key mask over global positions; keep its
+width fixed so one graph serves every step.  ``compile_for_generate`` makes
+transformers' own ``model.generate()`` run this way.  Sliding-window layers (Mistral with ``sliding_window`` set, Qwen2 with
 ``use_sliding_window=True``) are refused by the passes, with the mask's source line.
 
 **2. The ``(tokens, positions)`` interface.**  ``DCPCausalLM(model, max_batch=B,
@@ -237,11 +238,121 @@ class DCPStaticCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].max_cache_len
 
+    @property
+    def max_cache_len(self) -> int:
+        """Global sequence capacity ``S`` (every rank's shard together)."""
+        return self.layers[0].max_cache_len
+
+    def _refuse(self, what: str, used_by: str):
+        raise ValueError(
+            f"DCPStaticCache cannot {what} ({used_by}): its rows and slots are this rank's shard, written only by "
+            f"graphs dcp.backend compiled. Use greedy search or sampling (num_beams=1, no assistant model)"
+        )
+
+    def reorder_cache(self, beam_idx):
+        self._refuse("reorder its rows", "beam search")
+
+    def crop(self, max_length: int):
+        self._refuse("be cropped", "assisted generation and prompt lookup")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._refuse("repeat its rows", "beam search and num_return_sequences > 1 with a filled cache")
+
+    def batch_select_indices(self, indices):
+        self._refuse("select rows", "contrastive search")
+
     def reset(self) -> None:
         """Forget every sequence (the slots are zeroed too, as ``StaticCache.reset`` does)."""
         self.length.zero_()
         for layer in self.layers:
             layer.reset()
+
+
+def static_width_masks(config, inputs_embeds, attention_mask, cache, position_ids=None, **kwargs):
+    """``generate``'s mask hook (``create_masks_for_generate``) for a ``DCPStaticCache``:
+    the 2-D padding mask, right-padded with False to the cache's global capacity.
+
+    Transformers' default builds a 4-D mask outside the compiled forward, over the cache
+    tensors' slots, which under DCP are this rank's shard: a mask the passes cannot
+    read.  The 2-D mask instead goes into the graph, where the model builds causal AND
+    ``mask[b, s]``; the passes prove that form and read the padding at the global
+    position each local slot holds.  A fixed width keeps one graph for every decode step
+    (the mask ``generate`` keeps grows by a column each step).  Any other cache gets
+    transformers' own masks."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    if not isinstance(cache, DCPStaticCache):
+        return create_masks_for_generate(config, inputs_embeds, attention_mask, cache, position_ids, **kwargs)
+    rows = cache.store.k_0.shape[0]
+    if inputs_embeds.shape[0] != rows:
+        raise ValueError(
+            f"generate() runs a batch of {inputs_embeds.shape[0]} rows, but the DCPStaticCache holds {rows}: beam search "
+            f"and num_return_sequences multiply the rows (beam search is not supported under DCP). Build the cache with "
+            f"max_batch_size={inputs_embeds.shape[0]}, or pass that many prompts"
+        )
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[1] > cache.max_cache_len:
+        raise ValueError(
+            f"generate under DCP takes a 2-D attention_mask [batch, tokens] of at most max_cache_len="
+            f"{cache.max_cache_len} columns; got shape {tuple(attention_mask.shape)}. Build the DCPStaticCache with a "
+            f"larger max_cache_len, or ask for fewer new tokens"
+        )
+    padded = torch.zeros(attention_mask.shape[0], cache.max_cache_len, dtype=torch.bool, device=attention_mask.device)
+    padded[:, : attention_mask.shape[1]] = attention_mask.bool()
+    return padded
+
+
+def compile_for_generate(model: nn.Module, group: DCPGroup, **backend_options):
+    """Make ``model.generate(..., cache=DCPStaticCache(...))`` run under DCP.
+
+    - ``model.forward`` is compiled by ``dcp.backend(group, **backend_options)`` with
+      ``fullgraph=True, dynamic=False``, so the prefill and every decode step run
+      through the passes (transformers' own auto-compile compiles only the decode, with
+      its own backend; it is switched off here);
+    - ``generate``'s masks come from ``static_width_masks``: a left-padded batch works.
+
+    Greedy search and sampling work, with ``max_new_tokens``, ``eos_token_id`` and the
+    usual logits processors; beam search and assisted generation are refused by the
+    cache.  The model is changed in place; returns the backend (its compiled graphs and
+    collective counts).
+    """
+    from dcp_compile.backend import backend
+
+    dcp_backend = backend(group, **backend_options)
+    model.forward = torch.compile(model.forward, backend=dcp_backend, fullgraph=True, dynamic=False)
+    model.create_masks_for_generate = static_width_masks
+    model.generation_config.disable_compile = True
+    model.generate = _refusing_unsupported_modes(model.generate, model)
+    return dcp_backend
+
+
+_UNSUPPORTED_MODES = (
+    ("num_beams", lambda v: v is not None and v > 1, "beam search (num_beams > 1) reorders the cache's rows"),
+    ("assistant_model", lambda v: v is not None, "assisted generation crops the cache"),
+    ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt-lookup decoding crops the cache"),
+    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search selects cache rows"),
+)
+
+
+def _refusing_unsupported_modes(generate, model):
+    """``generate`` that refuses, before the prefill writes anything, the modes that move
+    or crop the cache's rows: they would need the cache whole."""
+    import functools
+
+    @functools.wraps(generate)
+    def checked(*args, **kwargs):
+        config = kwargs.get("generation_config") or model.generation_config
+        for name, unsupported, why in _UNSUPPORTED_MODES:
+            value = kwargs.get(name, getattr(config, name, None))
+            if unsupported(value):
+                raise ValueError(
+                    f"generate() under DCP supports greedy search and sampling; {name}={value!r} asks for another "
+                    f"mode: {why}, and every rank holds only its shard of them. Use num_beams=1 without an assistant"
+                )
+        return generate(*args, **kwargs)
+
+    return checked
 
 
 def _refuse_sliding(config) -> None:
@@ -363,4 +474,7 @@ class DCPCausalLM(TargetFacts, nn.Module):
         return logits, features
 
 
-__all__ = ["DCPCausalLM", "DCPStaticCache", "KVStore", "cache_kwarg", "llama_config", "transformers"]
+__all__ = [
+    "DCPCausalLM", "DCPStaticCache", "KVStore", "cache_kwarg", "compile_for_generate", "llama_config", "static_width_masks",
+    "transformers",
+]

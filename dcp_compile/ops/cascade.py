@@ -8,6 +8,8 @@
   a cache as ``[B, H, S, D]`` (``cache_BHSD``);
 - where this rank stores a position (``local_slots``), where a verify step parks its
   tokens (``staging_slots``), how many local slots lie before a step (``prefix_lengths``);
+- with a key-padding mask (``MaskProof.key_masks``), which keys each new token may see:
+  in this rank's prefix (``prefix_allowed``) and among the new tokens (``window_allowed``);
 - the collective's payload and the exact merge of the ranks' partials with the window
   (``pack_partial``, ``merge_gathered``; ``split_heads``, ``merge_exchanged`` and
   ``join_heads`` for the all-to-all form).
@@ -81,6 +83,39 @@ def prefix_lengths(
     """Local slots holding global positions before each sequence's first new token, ``[B]``."""
     start = positions_BT.amin(dim=1)
     return KVLayout(size, rank, max_seq_len, interleave).local_length(start)
+
+
+def key_visible(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``mask [B, W]`` read at ``positions [B, K]``: bool, True where the entry is nonzero;
+    False at positions outside ``[0, W)`` (what right-padding the mask with zeros gives)."""
+    width = mask.shape[1]
+    inside = (positions >= 0) & (positions < width)
+    return (mask.gather(1, positions.clamp(0, width - 1)) != 0) & inside
+
+
+def prefix_allowed(
+    positions_BT: torch.Tensor, kv_len: torch.Tensor, *key_masks: torch.Tensor, slots: int, size: int, rank: int,
+    interleave: int, max_seq_len: int,
+) -> torch.Tensor:
+    """``[B, 1, slots]``: local slot ``j`` is visible to every new token of sequence ``b``
+    when it lies before the sequence's first new token (``j < kv_len[b]``) and every key
+    mask holds at the global position it stores."""
+    layout = KVLayout(size, rank, max_seq_len, interleave)
+    slot = torch.arange(slots, device=positions_BT.device)
+    allowed = slot[None, :] < kv_len[:, None]
+    held = layout.global_position(slot).expand(positions_BT.shape[0], slots)
+    for mask in key_masks:
+        allowed = allowed & key_visible(mask, held)
+    return allowed[:, None, :]
+
+
+def window_allowed(positions_BT: torch.Tensor, *key_masks: torch.Tensor) -> torch.Tensor:
+    """``[B, T, T]``: new token ``t`` sees new token ``u`` when ``pos[u] <= pos[t]`` and
+    every key mask holds at ``pos[u]``."""
+    allowed = positions_BT[:, None, :] <= positions_BT[:, :, None]
+    for mask in key_masks:
+        allowed = allowed & key_visible(mask, positions_BT)[:, None, :]
+    return allowed
 
 
 def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

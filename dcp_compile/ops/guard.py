@@ -25,8 +25,9 @@ def require_dcp_backend(x: torch.Tensor, owner: str) -> torch.Tensor:
         f"did not go through a graph compiled by dcp.backend: run eagerly, or compiled by another backend (plain "
         f"torch.compile, Inductor, aot_eager) or only partly compiled (a Hugging Face loop whose prefill or "
         f"generate() is not compiled), its attention would see only this rank's slots. Call the model through "
-        f"torch.compile(model, backend=dcp.backend(group, role='target'), fullgraph=True), for every call. Nothing "
-        f"was written to the caches"
+        f"torch.compile(model, backend=dcp.backend(group, role='target'), fullgraph=True), for every call (for "
+        f"Hugging Face generate(): dcp_compile.hf.compile_for_generate(model, group) first). Nothing was written to "
+        f"the caches"
     )
 
 

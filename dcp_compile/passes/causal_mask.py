@@ -11,14 +11,19 @@ that build the mask:
   ``ax1``, ``torch.arange(T) + cache_len`` is ``ax0 + cache_len[]``;
 - a boolean tensor is a conjunction of atoms ``form <= 0`` (integer semantics, so
   ``a < b`` is ``a - b + 1 <= 0``);
+- a key-padding read ``pad[b_idx, s_idx]`` of a 2-D graph input ``[B, W]`` (bool, or
+  integer read as ``!= 0``; right-padded with zeros, as HF's ``prepare_padding_mask``
+  does) is an atom of its own, true where the entry is;
 - views, broadcasts, ``&`` and ``~`` transform those symbolically.
 
-The mask is proven when it is, up to broadcasting to ``[B, H, T, S]``, the single atom
-``s - pos[b, t] <= 0`` with ``pos`` the write's own positions form.  Anything else stays
-unproven, with a reason naming the node and the user's source line: a padding mask read
-from an input, a sliding window (an extra atom), a union of masks, a mask built by vmap
-or any op not modelled here, ``is_causal=True`` (aligned to slot 0, not to positions),
-or no mask at all (every slot, written or not, would be visible).
+The mask is proven when it is, up to broadcasting to ``[B, H, T, S]``, the atom
+``s - pos[b, t] <= 0`` with ``pos`` the write's own positions form, and-ed with any
+number of key-padding atoms read at exactly ``[b, s]``: a key mask over global
+positions, which the cascade shards like the cache (``MaskProof.key_masks``).  Anything
+else stays unproven, with a reason naming the node and the user's source line: a
+padding mask indexed otherwise, a sliding window (an extra atom), a union of masks, a
+mask built by vmap or any op not modelled here, ``is_causal=True`` (aligned to slot 0,
+not to positions), or no mask at all (every slot, written or not, would be visible).
 
 A causal-mask *table* indexed by positions (gpt-fast's
 ``causal_mask[None, None, input_pos]``) is proven under the assumption that the table
@@ -51,6 +56,10 @@ class MaskProof:
 
     tables: tuple[Node, ...] = ()
     """Placeholders of causal-mask tables the proof assumes lower triangular."""
+    key_masks: tuple[Node, ...] = ()
+    """Placeholders ``[B, W]`` of key-padding masks over global positions, and-ed with
+    the causal mask: key ``s`` of sequence ``b`` is visible only where ``mask[b, s]``
+    (positions ``>= W`` are not)."""
     failure: str | None = None
     """Why the mask is not proven position-causal; None when it is."""
 
@@ -81,6 +90,25 @@ class _Atom:
     form: Mapping
     """The atom holds where ``form <= 0``."""
     node: Node
+
+    def remapped(self, mapping, shape) -> _Atom:
+        return _Atom(_prune({_remap_term(t, mapping): c for t, c in self.form.items()}, shape), self.node)
+
+
+@dataclass(frozen=True)
+class _KeyAtom:
+    """Holds where ``table[batch, slot]`` is nonzero (false past the table's width)."""
+
+    table: Node
+    batch: Mapping
+    slot: Mapping
+    node: Node
+
+    def remapped(self, mapping, shape) -> _KeyAtom:
+        def move(form):
+            return _prune({_remap_term(t, mapping): c for t, c in form.items()}, shape)
+
+        return _KeyAtom(self.table, move(self.batch), move(self.slot), self.node)
 
 
 @dataclass(frozen=True)
@@ -122,8 +150,7 @@ def _reaxis(value, mapping: dict, shape):
     shape = tuple(shape)
     if isinstance(value, _Int):
         return _Int(shape, _prune({_remap_term(t, mapping): c for t, c in value.form.items()}, shape))
-    atoms = tuple(_Atom(_prune({_remap_term(t, mapping): c for t, c in a.form.items()}, shape), a.node) for a in value.atoms)
-    return _Bool(shape, atoms)
+    return _Bool(shape, tuple(a.remapped(mapping, shape) for a in value.atoms))
 
 
 def _broadcast(values, node: Node):
@@ -188,6 +215,14 @@ class _Interpreter:
         name = op_name(node)
         if node.op == "placeholder":
             value = fake_value(node)
+            if isinstance(value, torch.Tensor) and value.dim() >= 3 and (value.dtype == torch.bool or value.dtype.is_floating_point):
+                raise _Unsupported(node, (
+                    f"graph input {placeholder_name(node)}, a {value.dim()}-D mask built outside the graph (as Hugging Face "
+                    f"generate() builds one over the cache tensors' slots, which under DCP are this rank's shard). Pass a "
+                    f"2-D padding mask [batch, positions] instead; for generate(), call "
+                    f"dcp_compile.hf.compile_for_generate(model, group) first"))
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 2:
+                return _key_mask_input(node, tuple(value.shape))
             if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
                 raise _Unsupported(node, f"graph input {placeholder_name(node)} (not an integer position tensor: a padding or custom mask?)")
             shape = tuple(value.shape)
@@ -203,6 +238,10 @@ class _Interpreter:
         if name in ("to", "long", "int", "contiguous", "clone", "type_as", "bool", "detach"):
             base = self.value(node.args[0], node)
             dtype = fake_value(node).dtype
+            if dtype == torch.bool and isinstance(base, _Int) and len(base.shape) == 2:
+                table = _key_mask_table(node)
+                if table is not None and base.form == {("in", table, (0, 1)): 1}:
+                    return _key_mask_input(table, base.shape)  # an integer padding mask read as != 0
             if (dtype == torch.bool) != isinstance(base, _Bool) or dtype.is_floating_point:
                 raise _Unsupported(node, f"a cast to {dtype}")
             return base
@@ -224,7 +263,7 @@ class _Interpreter:
             return _Bool(out_shape, a.atoms + b.atoms)
         if name in ("invert", "logical_not", "bitwise_not", "__invert__"):
             a = self.value(node.args[0], node)
-            if not isinstance(a, _Bool) or len(a.atoms) != 1:
+            if not isinstance(a, _Bool) or len(a.atoms) != 1 or not isinstance(a.atoms[0], _Atom):
                 raise _Unsupported(node, "negation of anything but one comparison")
             (atom,) = a.atoms
             return _Bool(out_shape, (_Atom(_combine((-1, atom.form), (1, {CONST: 1})), node),))
@@ -270,9 +309,13 @@ class _Interpreter:
 
     def _view(self, node, name, out_shape):
         source = node.args[0]
-        if name == "getitem" and isinstance(source, Node) and source.op == "placeholder":
+        if name == "getitem" and isinstance(source, Node):
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            if any(isinstance(e, Node) for e in index):
+            tensors = [e for e in index if isinstance(e, Node)]
+            key_table = _key_mask_table(source)
+            if len(tensors) == 2 and len(index) == 2 and key_table is not None:
+                return self._key_mask_lookup(node, key_table, index, out_shape)
+            if tensors and source.op == "placeholder":
                 return self._table_lookup(node, source, index, out_shape)
         base = self.value(source, node)
         in_shape = base.shape
@@ -306,6 +349,17 @@ class _Interpreter:
         mapping.update({k: None for k in range(len(in_shape)) if k not in mapping})
         return _reaxis(base, mapping, out_shape)
 
+    def _key_mask_lookup(self, node, table: Node, index: tuple, out_shape):
+        """``pad[batch_idx, slot_idx]``: a key-padding read; proven only if the indices
+        turn out to be the batch and the slot axes."""
+        rows, slots = (self.value(e, node) for e in index)
+        if not (isinstance(rows, _Int) and isinstance(slots, _Int)):
+            raise _Unsupported(node, f"indexing {placeholder_name(table)} with non-integer tensors")
+        _, (rows, slots) = _broadcast([rows, slots], node)
+        offset = len(out_shape) - len(rows.shape)
+        rows, slots = (_reaxis(v, {k: k + offset for k in range(len(v.shape))}, out_shape) for v in (rows, slots))
+        return _Bool(out_shape, (_KeyAtom(table, rows.form, slots.form, node),))
+
     def _table_lookup(self, node, table: Node, index: tuple, out_shape):
         """``table[None, ..., positions, ...]`` of a 2-D table [P, S]: row ``positions``."""
         value = fake_value(table)
@@ -330,6 +384,40 @@ class _Interpreter:
         self.tables.append(table)
         form = _prune(_combine((1, {("ax", slot_axis): 1}), (-1, rows.form)), out_shape)
         return _Bool(out_shape, (_Atom(form, node),))
+
+
+def _key_mask_input(table: Node, shape) -> _Bool:
+    """A 2-D mask input ``[B, W]`` as a key-padding atom over its own two axes."""
+    return _Bool(shape, (_KeyAtom(table, _prune({("ax", 0): 1}, shape), _prune({("ax", 1): 1}, shape), table),))
+
+
+_PASS_THROUGH = frozenset({"to", "bool", "contiguous", "clone", "detach"})
+
+
+def _key_mask_table(node: Node) -> Node | None:
+    """The 2-D graph input a padding-mask read reads from: through casts (to bool, or
+    keeping an integer dtype) and right-padding of its last axis with zeros; None for
+    anything else."""
+    while node.op != "placeholder":
+        name = op_name(node)
+        if name in _PASS_THROUGH:
+            value = fake_value(node)
+            if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
+                return None
+            node = node.args[0]
+        elif name == "pad":
+            widths, mode, value = arg(node, 1, "pad"), arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
+            if mode != "constant" or value not in (None, 0, False) or tuple(widths)[:1] != (0,) or len(widths) != 2:
+                return None
+            node = node.args[0]
+        else:
+            return None
+        if not isinstance(node, Node):
+            return None
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype.is_floating_point:
+        return None
+    return node
 
 
 _MASK_AXES = "bhts"
@@ -382,7 +470,16 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
     if any(n is None for t in write.form for n in ([write_names[t[1]]] if t[0] == "ax" else [])):
         return MaskProof(failure=f"the KV write positions feeding {where_site} vary along an axis that is neither batch nor token")
     expected = _combine((1, {("v", "s"): 1}), (-1, _canonical(write.form, write_names)))
-    atoms = [(a, _canonical(a.form, mask_names)) for a in value.atoms if a.form]
+    key_atoms = [a for a in value.atoms if isinstance(a, _KeyAtom)]
+    for a in key_atoms:
+        batch, slot = _canonical(a.batch, mask_names), _canonical(a.slot, mask_names)
+        one_row = fake_value(a.table).shape[0] == 1  # a batch of one reads row 0 whatever the index
+        if batch not in ({("v", "b"): 1},) + (({},) if one_row else ()) or slot != {("v", "s"): 1}:
+            return MaskProof(failure=(
+                f"the attention mask at {where_site} reads the padding mask {placeholder_name(a.table)} at "
+                f"[{_describe_index(batch)}, {_describe_index(slot)}] at {where(a.node)}; a key-padding mask is sharded "
+                f"only when read at [b, s] (sequence, cache slot)"))
+    atoms = [(a, _canonical(a.form, mask_names)) for a in value.atoms if isinstance(a, _Atom) and a.form]
     causal = [a for a, form in atoms if form == expected]
     extra = [a for a, form in atoms if form != expected]
     if not causal:
@@ -396,4 +493,9 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
             f"the attention mask at {where_site} restricts the causal mask further: {found} (s: cache slot, t: new "
             f"token). Sliding-window, chunked and padding masks are not supported under DCP, which shards full "
             f"causal attention only"))
-    return MaskProof(tables=tuple(dict.fromkeys(interpreter.tables)))
+    return MaskProof(tables=tuple(dict.fromkeys(interpreter.tables)),
+                     key_masks=tuple(dict.fromkeys(a.table for a in key_atoms)))
+
+
+def _describe_index(form: Mapping) -> str:
+    return _describe(form).removesuffix(" <= 0")

@@ -14,9 +14,12 @@ Invariant established: each attention site is replaced by
 ``start_b`` and the window's positions come from the positions the same layer's KV
 write stores.  The user's own mask over the full cache is not used (it described the
 unsharded cache), but ``find`` must have proven it to be exactly that position-causal
-mask (``causal_mask.prove_causal``); a site whose mask is unproven (a sliding window, a
-padding mask, no mask, anything the prover does not model) raises ``GraphPatternError``
-with the reason and the user's source line, before anything is rewritten.  The window
+mask (``causal_mask.prove_causal``), possibly and-ed with key-padding masks over global
+positions; a site whose mask is unproven (a sliding window, no mask, anything the
+prover does not model) raises ``GraphPatternError`` with the reason and the user's
+source line, before anything is rewritten.  A site with key-padding masks reads them at
+the positions its slots and new tokens hold, and runs both attentions as the masked
+reference (``attention_with_lse``) instead of the length-bounded kernels.  The window
 is merged once, after the gather, so it counts once.
 
 Never: leaves a site unreplaced, or keeps a read of a full cache buffer alive (the
@@ -32,9 +35,10 @@ from torch.fx import GraphModule
 
 import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
+from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    cache_BHSD, join_heads, merge_exchanged, merge_gathered, pack_partial, prefix_lengths, split_heads, window_kv,
-    window_positions,
+    cache_BHSD, join_heads, merge_exchanged, merge_gathered, pack_partial, prefix_allowed, prefix_lengths, split_heads,
+    window_allowed, window_kv, window_positions,
 )
 from dcp_compile.passes.find import AttentionSite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
@@ -75,21 +79,33 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         ]
         caches = [graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim)) for w in (k_write, v_write)]
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
-        prefix = graph.call_function(PREFIX_ATTENTION, (site.query, caches[0], caches[1], kv_len, site.scale))
+        key_masks = site.mask.key_masks
+        if key_masks:
+            slots = fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
+            allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks), dict(sharding, slots=slots))
+            prefix = graph.call_function(attention_with_lse, (site.query, caches[0], caches[1], allowed, site.scale))
+        else:
+            prefix = graph.call_function(PREFIX_ATTENTION, (site.query, caches[0], caches[1], kv_len, site.scale))
         packed = graph.call_function(
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
         # The window attention is placed between each collective and its wait, so
         # it can run while the partials are in flight.
+        def window_attention():
+            if not key_masks:
+                return graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            allowed = graph.call_function(window_allowed, (positions, *key_masks))
+            return graph.call_function(attention_with_lse, (site.query, new_kv[0], new_kv[1], allowed, site.scale))
+
         if layout.size == 1:
             # A group of one (the single-GPU cascade): its own prefix is all there is.
-            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = window_attention()
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             out = graph.call_function(merge_gathered, (packed, *window_parts), dict(size=1, dtype=out_dtype))
             comm_nodes = []
         elif comm == "ag":
             gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
-            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = window_attention()
             gathered = graph.call_function(WAIT, (gathered,))
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             out = graph.call_function(merge_gathered, (gathered, *window_parts), dict(size=layout.size, dtype=out_dtype))
@@ -98,7 +114,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             send = graph.call_function(split_heads, (packed,), dict(size=layout.size))
             splits = [1] * layout.size
             exchanged = graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name))
-            window = graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+            window = window_attention()
             exchanged = graph.call_function(WAIT, (exchanged,))
             window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
             merged = graph.call_function(

@@ -48,9 +48,21 @@ def test_sliding_window_is_refused(family, overrides):
     assert "masking_utils.py" in message, "the error names the line that adds the window"
 
 
-def test_padding_mask_is_refused():
-    message = sharding_error(make_hf_model("llama"), torch.ones(2, 3, dtype=torch.long))
-    assert "cannot prove" in message and "masking_utils.py" in message, "the error names HF's padding-mask line"
+@pytest.mark.parametrize("width", [3, MAX_SEQ_LEN])
+def test_padding_mask_is_a_key_mask(width):
+    """The 2-D attention_mask HF users pass (as wide as the tokens so far, or as the
+    cache): causal AND padding, proven, the padding kept as a key mask."""
+    model = make_hf_model("llama")
+    cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    gm, inputs = capture_graph(OwnLoop(model, cache), torch.ones(2, 3, dtype=torch.long), torch.ones(2, width, dtype=torch.long))
+    plan = find(gm)
+    assert all(s.mask.proven for s in plan.sites), [s.mask.failure for s in plan.sites]
+    assert {n.name for s in plan.sites for n in s.mask.key_masks} == {"l_extra_0_"}
+
+
+def test_prebuilt_4d_mask_is_refused_naming_the_fix():
+    message = sharding_error(make_hf_model("llama"), torch.ones(2, 1, 3, MAX_SEQ_LEN, dtype=torch.bool))
+    assert "4-D mask built outside the graph" in message and "compile_for_generate" in message
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

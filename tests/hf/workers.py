@@ -278,3 +278,101 @@ def hf_refusal_worker(rank, size):
         reference = model(input_ids=torch.cat([prompt, token], dim=1)).logits[:, -2:].float()
     return dict(errors=errors, untouched=untouched, logits=torch.stack([prefill, decode], 1), reference=reference,
                 batch_error=batch_error)
+
+
+def left_padded_prompts(lengths=(4, 9, 6), seed: int = 5):
+    """A batch as HF users build it: prompts of different lengths, padded on the left
+    with token 0, and the 2-D attention mask that marks the padding."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(1, VOCAB, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+GENERATE_RUNS = (("greedy", dict(do_sample=False)), ("sampled", dict(do_sample=True, temperature=0.9, top_k=0)),
+                 ("eos", dict(do_sample=False)))
+
+
+def hf_generate_runs(generate, eos_token: int, max_new_tokens: int = 8):
+    """``generate(seed, **kwargs)`` for each of ``GENERATE_RUNS`` (the ``eos`` run stops
+    at ``eos_token``)."""
+    out = {}
+    for name, options in GENERATE_RUNS:
+        extra = dict(eos_token_id=eos_token) if name == "eos" else {}
+        out[name] = generate(7, max_new_tokens=max_new_tokens, pad_token_id=0, **options, **extra)
+    return out
+
+
+def hf_generate_reference(eos_token: int):
+    """Transformers' own generate() with its StaticCache, one process, uncompiled."""
+    from transformers import StaticCache
+
+    model = make_hf_model("llama")
+    ids, mask = left_padded_prompts()
+
+    def generate(seed, **options):
+        torch.manual_seed(seed)
+        cache = StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)
+        return model.generate(ids, attention_mask=mask, cache=cache, disable_compile=True, **options)
+
+    return hf_generate_runs(generate, eos_token)
+
+
+def hf_generate_worker(rank, size, eos_token):
+    """``model.generate()`` under DCP after ``compile_for_generate``: the runs of
+    ``hf_generate_runs``, the routes that must be refused, and the cache left untouched
+    by each refusal."""
+    from transformers import CompileConfig
+
+    from dcp_compile.hf import DCPStaticCache, compile_for_generate
+
+    group = dcp.init_group("cpu")
+    model = make_hf_model("llama")
+    backend = compile_for_generate(model, group, lowering="aot_eager")
+    ids, mask = left_padded_prompts()
+    cache = DCPStaticCache(model.config, group, max_batch_size=len(ids), max_cache_len=MAX_SEQ_LEN)
+
+    def generate(seed, **options):
+        cache.reset()
+        torch.manual_seed(seed)
+        return model.generate(ids, attention_mask=mask, cache=cache, **options)
+
+    with torch.no_grad():
+        runs = hf_generate_runs(generate, eos_token)
+    errors, untouched = {}, {}
+
+    def attempt(name, target, call):
+        before = [b.clone() for b in target.store.buffers()]
+        try:
+            with torch.no_grad():
+                call(target)
+            errors[name] = None
+        except Exception as error:
+            errors[name] = str(error)
+        untouched[name] = all(torch.equal(a, b) for a, b in zip(before, target.store.buffers()))
+
+    def fresh(m=model, rows=len(ids)):
+        return DCPStaticCache(m.config, group, max_batch_size=rows, max_cache_len=MAX_SEQ_LEN)
+
+    common = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+    plain = make_hf_model("llama")
+    attempt("beam search", fresh(), lambda c: model.generate(ids, cache=c, num_beams=2, **common))
+    attempt("beam search, rows to match", fresh(rows=2 * len(ids)),
+            lambda c: model.generate(ids, cache=c, num_beams=2, **common))
+    attempt("assisted generation", fresh(), lambda c: model.generate(ids, cache=c, assistant_model=plain, **common))
+    plain = make_hf_model("llama")
+    attempt("transformers' compile_config", fresh(plain),
+            lambda c: plain.generate(ids, cache=c, compile_config=CompileConfig(backend=dcp.backend(group)), **common))
+    own = make_hf_model("llama")
+    own.forward = torch.compile(own.forward, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True,
+                                dynamic=False)
+    attempt("forward compiled, generate's own 4-D mask", fresh(own),
+            lambda c: own.generate(ids, cache=c, disable_compile=True, **common))
+    with torch.no_grad():
+        after_refusals = generate(7, max_new_tokens=8, pad_token_id=0, do_sample=False)
+    return dict(runs=runs, after_refusals=after_refusals, errors=errors, untouched=untouched,
+                collectives=backend.collective_counts, local_cache=tuple(cache.store.k_0.shape))

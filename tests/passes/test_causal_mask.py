@@ -97,19 +97,50 @@ def test_is_causal_is_refused():
 
 
 class PaddedCausal(graphs.GptFastStyle):
+    """Causal AND a key-padding mask ``keep [B, W]`` over global positions, read as ``read(keep)``."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
     def forward(self, x, input_pos, keep):
         q, _, _ = self.store(x, input_pos)
-        mask = causal(torch.arange(graphs.S), input_pos) & keep[:, None, None, :]  # PADDING-MASK
+        mask = causal(torch.arange(graphs.S), input_pos) & self.read(keep)  # PADDING-MASK
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
 
 
-def test_padding_mask_from_an_input_is_refused():
-    module = PaddedCausal()
+def hf_gather(keep):
+    """Transformers' ``padding_mask_function``: ``keep[batch_idx, kv_idx]`` over broadcast aranges."""
+    keep = F.pad(keep.to(torch.bool), (0, graphs.S - keep.shape[1]))
+    return keep[torch.arange(graphs.B)[:, None, None, None], torch.arange(graphs.S)[None, None, None, :]]
+
+
+KEY_MASKS = {
+    "broadcast bool": (lambda keep: keep[:, None, None, :], torch.bool, graphs.S),
+    "integer, != 0": (lambda keep: keep.bool()[:, None, None, :], torch.long, graphs.S),
+    "gathered, right-padded": (hf_gather, torch.long, graphs.S - 5),
+}
+
+
+@pytest.mark.parametrize("name", KEY_MASKS)
+def test_padding_masks_are_proven_as_key_masks(name):
+    read, dtype, width = KEY_MASKS[name]
+    module = PaddedCausal(read)
     x, pos = graphs.inputs_for(module)
-    _, plan, _ = proofs(module, x, pos, torch.ones(graphs.B, graphs.S, dtype=torch.bool))
+    keep = torch.ones(graphs.B, width, dtype=dtype)
+    _, plan, _ = proofs(module, x, pos, keep)
+    mask = plan.sites[0].mask
+    assert mask.proven, mask.failure
+    assert [n.op for n in mask.key_masks] == ["placeholder"] and "keep" in mask.key_masks[0].name
+
+
+def test_padding_mask_read_along_the_queries_is_refused():
+    module = PaddedCausal(lambda keep: keep[:, None, :, None])  # keep [B, T]: a query mask, not a key mask
+    x, pos = graphs.inputs_for(module)
+    gm, plan, _ = proofs(module, x, pos, torch.ones(graphs.B, x.shape[1], dtype=torch.bool))
     failure = plan.sites[0].mask.failure
-    assert "padding or custom mask" in failure and "keep" in failure
-    assert "PADDING-MASK" in failure, "the error names the line that reads the padding mask"
+    assert "reads the padding mask" in failure and "only when read at [b, s]" in failure
+    assert "PADDING-MASK" in failure or "test_causal_mask.py" in failure, "the error names the user's line"
 
 
 def test_drafts_and_groups_of_one_do_not_need_a_proof():
