@@ -11,6 +11,9 @@
 #   bash benchmarks/gpu_bench.sh gputests prefillkernels draft prefill  # long prompts: kernel tests on the GPU,
 #                      # flash kernels against SDPA, the draft's share, chunked DCP prefill against one GPU's flash
 #   bash benchmarks/gpu_bench.sh long              # 8 x 131072-token prompts prefilled and decoded at DCP=2
+#   bash benchmarks/gpu_bench.sh specloop          # one GPU: the speculative loop against its captured graphs
+#   bash benchmarks/gpu_bench.sh compile           # the demo's compile times: DCP=$NPROC cold, warm restart, DCP=1 cold
+#   bash benchmarks/gpu_bench.sh gatebf16 gatesampled  # `dcp-compile gate` at DCP=$NPROC, bf16, 256 prompts
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,6 +62,20 @@ one_gpu_arms() {  # seconds: bench_e2e's one-GPU arm, point i on GPU i mod NPROC
   fi
 }
 
+demo_compile_times() {  # seconds: the demo three times, each with its own compile caches or a warm one
+  local seconds=$1 caches
+  caches=$(mktemp -d)
+  : > "$OUT/compile.log"
+  for run in "dcp$NPROC-cold:a:$NPROC" "dcp$NPROC-warm:a:$NPROC" "dcp1-cold:b:1"; do
+    IFS=: read -r name dir size <<< "$run"
+    echo "== compile $name (limit ${seconds}s) $(date -u +%H:%M:%S)"
+    echo "== $name" >> "$OUT/compile.log"
+    TORCHINDUCTOR_CACHE_DIR=$caches/$dir/inductor TRITON_CACHE_DIR=$caches/$dir/triton timeout -k 10 "$seconds" \
+      python3 -m dcp_compile.cli demo --device cuda --dcp "$size" --json >> "$OUT/compile.log" 2>&1
+    echo "compile $name exit: $? $(date -u +%H:%M:%S)"
+  done
+}
+
 for what in "$@"; do
   case $what in
     merge)  phase merge "${MERGE_SECONDS:-240}" benchmarks/bench_merge.py --out "$OUT/merge.json" ;;
@@ -79,8 +96,15 @@ for what in "$@"; do
               --out "$OUT/prefill_speed.json" ${PREFILL_ARGS:-} ;;
     long)   phase long "${LONG_SECONDS:-560}" benchmarks/bench_long_prefill.py --phase long \
               --out "$OUT/prefill_long.json" ${LONG_ARGS:-} ;;
+    specloop) single specloop "${SPECLOOP_SECONDS:-420}" python3 benchmarks/bench_spec_loop.py \
+              --out "$OUT/spec_loop.json" --watchdog $((${SPECLOOP_SECONDS:-420} - 15)) ${SPECLOOP_ARGS:-} ;;
+    compile) demo_compile_times "${COMPILE_SECONDS:-200}" ;;
+    gatebf16) single gatebf16 "${GATE_SECONDS:-300}" python3 -m dcp_compile.cli gate --dcp "$NPROC" --device cuda \
+              --dtype bfloat16 --prompts 256 --json ;;
+    gatesampled) single gatesampled "${GATE_SECONDS:-300}" python3 -m dcp_compile.cli gate --dcp "$NPROC" --device cuda \
+              --dtype bfloat16 --prompts 256 --temperature 0.8 --json ;;
     *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo, gputests, prefillkernels,"\
-            "draft, prefill, long)"; exit 2 ;;
+            "draft, prefill, long, specloop, compile, gatebf16, gatesampled)"; exit 2 ;;
   esac
 done
 for what in "$@"; do

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.layout import KVLayout
-from dcp_compile.ops.merge import lse_merge
+from dcp_compile.ops.merge import merge_with_window
 
 
 def _tagged_as(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Tensor:
@@ -128,10 +128,7 @@ def merge_gathered(
 ) -> torch.Tensor:
     """Merge the ``size`` gathered prefixes (rank order) and the window; cast to ``dtype``."""
     partials = gathered.view(size, *window_out.shape[:-1], window_out.shape[-1] + 1)
-    outs = torch.cat([partials[..., :-1], window_out.unsqueeze(0)], dim=0)
-    lses = torch.cat([partials[..., -1], window_lse.unsqueeze(0)], dim=0)
-    out, _ = lse_merge(outs, lses)
-    return out.to(dtype)
+    return merge_with_window(partials[..., :-1], partials[..., -1], window_out, window_lse).to(dtype)
 
 
 def split_heads(packed: torch.Tensor, *, size: int) -> torch.Tensor:
@@ -146,9 +143,7 @@ def merge_exchanged(
     """Merge this rank's heads: every rank's prefix (rank order) and the window; ``[B, H/size, T, D]``."""
     heads = window_out.shape[1] // size
     own = slice(rank * heads, (rank + 1) * heads)
-    outs = torch.cat([exchanged[..., :-1], window_out[:, own].unsqueeze(0)], dim=0)
-    lses = torch.cat([exchanged[..., -1], window_lse[:, own].unsqueeze(0)], dim=0)
-    out, _ = lse_merge(outs, lses)
+    out = merge_with_window(exchanged[..., :-1], exchanged[..., -1], window_out[:, own], window_lse[:, own])
     return out.to(dtype).contiguous()
 
 

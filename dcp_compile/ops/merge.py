@@ -32,8 +32,7 @@ def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
             f"lse_merge expects outs [N, ..., D] and lses [N, ...] with matching leading "
             f"dims; got outs {tuple(outs.shape)} and lses {tuple(lses.shape)}"
         )
-    lses = lses.float()
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    lses = _no_keys_as_minus_inf(lses)
     lse_max = lses.amax(dim=0)
     # All partials empty: shift by 0 so exp(-inf - 0) = 0 instead of exp(nan).
     shift = torch.where(torch.isfinite(lse_max), lse_max, 0.0)
@@ -45,3 +44,26 @@ def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
     outs = torch.where(weights.unsqueeze(-1) > 0, outs.float(), 0.0)
     out = (weights.unsqueeze(-1) * outs).sum(dim=0) / torch.where(nonempty, denom, 1.0).unsqueeze(-1)
     return out, lse
+
+
+def _no_keys_as_minus_inf(lse: torch.Tensor) -> torch.Tensor:
+    lse = lse.float()
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+def merge_with_window(
+    outs: torch.Tensor, lses: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor
+) -> torch.Tensor:
+    """``lse_merge`` of ``N`` stacked partials and one more (the window), returning ``out``
+    only, without stacking the window onto the partials: the gathered payload is read in
+    place and the whole merge is one pointwise-and-reduce expression that Inductor emits
+    as a single kernel (a stack or a cat would be a copy of every partial first)."""
+    lses, window_lse = _no_keys_as_minus_inf(lses), _no_keys_as_minus_inf(window_lse)
+    lse_max = torch.maximum(lses.amax(dim=0), window_lse)
+    shift = torch.where(torch.isfinite(lse_max), lse_max, 0.0)
+    weights = torch.exp(lses - shift)  # [N, ...]; exactly 0 for empty partials
+    window_weight = torch.exp(window_lse - shift)
+    denom = weights.sum(dim=0) + window_weight
+    total = (weights.unsqueeze(-1) * torch.where(weights.unsqueeze(-1) > 0, outs.float(), 0.0)).sum(dim=0)
+    total = total + window_weight.unsqueeze(-1) * torch.where(window_weight.unsqueeze(-1) > 0, window_out.float(), 0.0)
+    return total / torch.where(denom > 0, denom, 1.0).unsqueeze(-1)

@@ -1,8 +1,10 @@
 """CUDA-graph replay of compiled steps, the collectives inside.
 
 ``GraphRunner(fn)`` captures ``fn`` once per input signature (shapes, dtypes, devices)
-and replays it after that: inputs are copied into the captured buffers, outputs are
-cloned out of them, so a caller may keep an output across the next replay.  The
+and replays it after that: inputs are copied into the captured buffers, and the outputs
+returned are the graph's own buffers, valid until the same graph replays again (a copy
+per output per replay would cost more than some of the graphs; ``clone_outputs=True``
+gives a caller that keeps outputs across replays its own copies).  The
 compiled graphs' roles are fixed at compile time, so a captured target step holds its
 all-gathers and a captured draft step holds none: replay cannot disagree with capture
 about what is sharded.
@@ -39,8 +41,9 @@ class _Captured:
 
 
 class GraphRunner:
-    def __init__(self, fn: Callable, *, pool=None, warmup: int = 2):
+    def __init__(self, fn: Callable, *, pool=None, warmup: int = 2, clone_outputs: bool = False):
         self.fn = fn
+        self.clone_outputs = clone_outputs
         self.warmup = warmup
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: dict[_Signature, _Captured] = {}
@@ -73,6 +76,6 @@ class GraphRunner:
                 static.copy_(arg)
         captured.graph.replay()
         self.replays += 1
-        return torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.outputs
-        )
+        if not self.clone_outputs:
+            return captured.outputs
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.outputs)

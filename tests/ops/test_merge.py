@@ -77,3 +77,23 @@ def test_merge_is_associative():
 def test_merge_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="outs \\[N, ..., D\\] and lses \\[N, ...\\]"):
         lse_merge(torch.zeros(2, 3, 4), torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_merge_with_window_is_lse_merge_of_all(n):
+    """The inserted form (partials in place, the window apart) against the stacked spec,
+    with empty, NaN and +inf partials among them."""
+    from dcp_compile.ops.merge import merge_with_window
+
+    outs, lses = random_partials(n + 1, seed=n)
+    lses[0, 0, :2] = -INF
+    outs[0, 0, :2] = float("nan")  # garbage of an empty partial
+    lses[-1, 1, 1] = float("nan")
+    lses[:, 2, 3] = -INF  # every partial empty, window included
+    if n > 1:
+        lses[1, 2, 0] = INF
+    expected, _ = lse_merge(outs, lses)
+    got = merge_with_window(outs[:-1], lses[:-1], outs[-1], lses[-1])
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert (got[2, 3] == 0).all()
