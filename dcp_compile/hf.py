@@ -37,7 +37,6 @@ normed hidden state), taken by forward hooks, so the graph has no break.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import nn
@@ -51,7 +50,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from dcp_compile.layout import KVLayout
-from dcp_compile.models.llama import LlamaConfig, TargetFacts
+from dcp_compile.models.eagle import DraftConfig
+from dcp_compile.models.llama import LlamaConfig
 from dcp_compile.ops.guard import guard
 from dcp_compile.records import CacheRecord, register
 from dcp_compile.group import DCPGroup
@@ -367,8 +367,8 @@ def _refuse_sliding(config) -> None:
 
 
 def llama_config(config, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = ()) -> LlamaConfig:
-    """The reference ``LlamaConfig`` with an HF config's shapes: what ``SpecDecoder`` reads
-    from its target, and what ``DraftConfig`` builds a draft for."""
+    """An HF config's shapes as the reference ``LlamaConfig``: what an EAGLE draft, itself
+    a Llama decoder layer, is sized from (``DCPCausalLM.draft_config``)."""
     config = _text_config(config)
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
@@ -394,13 +394,12 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class DCPCausalLM(TargetFacts, nn.Module):
+class DCPCausalLM(nn.Module):
     """An HF causal LM as ``forward(tokens [B, T], positions [B, T]) -> logits [B, T, V]``
     (fp32), or ``(logits, features [B, T, len(aux_layers) * hidden])`` with ``aux_layers``.
 
-    ``cfg`` is the model's shapes as a reference ``LlamaConfig`` (``vocab_size``, ``dim``,
-    ``aux_layers`` ...), so that ``dcp.SpecDecoder(DCPCausalLM(...), draft, ...)`` works and
-    ``DraftConfig(wrapper.cfg, "eagle3")`` builds a matching draft.
+    It is a ``SpecDecoder`` target (``vocab_size``, ``feature_width``);
+    ``EagleDraft(wrapper.draft_config("eagle3"))`` builds a draft sized for it.
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = ()):
@@ -413,7 +412,9 @@ class DCPCausalLM(TargetFacts, nn.Module):
             )
         _refuse_sliding(config)
         self.model = model
-        self.cfg = llama_config(config, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux_layers)
+        self.config = config
+        self.aux_layers = tuple(aux_layers)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
         param = next(model.parameters())
         self.cache = DCPStaticCache(config, None, max_batch_size=max_batch, max_cache_len=max_seq_len, dtype=param.dtype,
                                     device=param.device)
@@ -423,7 +424,7 @@ class DCPCausalLM(TargetFacts, nn.Module):
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._hooks = [
             decoder.layers[i].register_forward_pre_hook(self._keep_input(i), with_kwargs=True)
-            if i < self.cfg.n_layers else decoder.norm.register_forward_hook(self._keep_output(i))
+            if i < config.num_hidden_layers else decoder.norm.register_forward_hook(self._keep_output(i))
             for i in aux_layers
         ]
 
@@ -433,7 +434,24 @@ class DCPCausalLM(TargetFacts, nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.cfg = dataclasses.replace(self.cfg, aux_layers=())
+        self.aux_layers = ()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
+        return self.config.hidden_size * len(self.aux_layers)
+
+    def draft_config(self, kind: str = "eagle3", **options) -> DraftConfig:
+        """A ``DraftConfig`` for an EAGLE draft of this model (its width, heads, vocabulary,
+        cache size and, for EAGLE3, the features this wrapper returns); ``options`` go to
+        ``DraftConfig`` (``draft_vocab_size``, ``n_features``)."""
+        shapes = llama_config(self.config, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
+                              aux_layers=self.aux_layers)
+        return DraftConfig(shapes, kind, **options)
 
     def _keep_input(self, index: int):
         def hook(module, args, kwargs):
@@ -467,9 +485,9 @@ class DCPCausalLM(TargetFacts, nn.Module):
             B, K = logits_at.shape
             rows = torch.arange(B, device=tokens.device)
             logits = logits.view(B, B, K, -1)[rows, rows]
-        if not self.cfg.aux_layers:
+        if not self.aux_layers:
             return logits
-        features = torch.cat([self._features[i] for i in self.cfg.aux_layers], dim=-1)
+        features = torch.cat([self._features[i] for i in self.aux_layers], dim=-1)
         self._features.clear()
         return logits, features
 

@@ -406,14 +406,14 @@ class SpecDecoder:
             raise ValueError(
                 f"the draft was built for a target vocabulary of {draft.target_vocab_size} tokens but the target "
                 f"has {target.vocab_size}, and no draft-to-target map covers the difference; build the draft with "
-                f"DraftConfig(target=target.cfg, ...) (an EAGLE3 draft vocabulary maps to target ids through d2t)"
+                f"DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM (an EAGLE3 draft vocabulary maps to target ids through d2t)"
             )
         if not target.feature_width:
-            raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...)")
+            raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...), or DCPCausalLM(..., aux_layers=...)")
         if draft.feature_width != target.feature_width:
             raise ValueError(
                 f"the draft reads target features {draft.feature_width} wide but the target returns "
-                f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...) for this target"
+                f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM"
             )
         if cuda_graphs and group.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")

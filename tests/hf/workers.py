@@ -185,7 +185,7 @@ def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_le
     import transformers
 
     from dcp_compile.hf import DCPCausalLM
-    from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
+    from dcp_compile.models import EagleDraft, eagle3_aux_layers
 
     n_layers, vocab = 4, 32
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
@@ -195,7 +195,7 @@ def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_le
     model = init_weights(transformers.LlamaForCausalLM(config), seed).eval()
     aux = eagle3_aux_layers(n_layers)
     target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux)
-    draft = init_weights(EagleDraft(DraftConfig(target.cfg, "eagle3", n_features=len(aux))), seed + 1).eval()
+    draft = init_weights(EagleDraft(target.draft_config("eagle3", n_features=len(aux))), seed + 1).eval()
     with torch.no_grad():
         embedding = torch.randn(vocab, 64, generator=torch.Generator().manual_seed(seed + 2))
         model.model.embed_tokens.weight.copy_(embedding)
