@@ -116,7 +116,7 @@ def measure(batch: int, args, device) -> dict:
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
     point = dict(batch=batch, k=args.k, prompt_len=args.prompt_len, vocab=cfg.vocab_size, layers=cfg.n_layers)
     for temperature in args.temperatures:
-        decoder.temperature = decoder.device_step.temperature = temperature
+        decoder.temperature = temperature
         per_step, steps = loop_seconds_per_step(decoder, prompts, args.new // 4, args.new, args.reps, device)
         point[f"loop_ms_t{temperature}"] = per_step * 1e3
         point[f"steps_t{temperature}"] = steps

@@ -65,9 +65,11 @@ def prompt_lengths(prompts: Sequence[Sequence[int]]) -> list[int]:
 
 
 def prefill_chunks(
-    prompts: Sequence[Sequence[int]], chunk_size: int, max_seq_len: int, device
+    prompts: Sequence[Sequence[int]], chunk_size: int, max_seq_len: int, device, *, offsets: torch.Tensor | None = None
 ) -> Iterator[PrefillChunk]:
-    """The chunks that feed ``prompts`` (one row each) into a cache of ``max_seq_len``."""
+    """The chunks that feed ``prompts`` (one row each) into a cache of ``max_seq_len``.
+    ``offsets [B]``: a row's positions start there instead of at 0 (a running row that
+    shares the chunk without being prefilled is moved past its committed tokens)."""
     check_chunk_size(chunk_size, max_seq_len)
     lengths_list = prompt_lengths(prompts)
     n_chunks = -(-max(lengths_list) // chunk_size)
@@ -80,7 +82,10 @@ def prefill_chunks(
     steps = torch.arange(chunk_size, device=device)
     for c in range(n_chunks):
         start = c * chunk_size
-        positions = (start + steps).clamp(max=max_seq_len - 1).expand(len(prompts), chunk_size).contiguous()
+        positions = (start + steps).expand(len(prompts), chunk_size)
+        if offsets is not None:
+            positions = positions + offsets[:, None]
+        positions = positions.clamp(max=max_seq_len - 1).contiguous()
         yield PrefillChunk(
             # Contiguous: a slice's row stride would follow the prompt width, and a
             # compiled graph guards on strides.

@@ -18,15 +18,15 @@ One step, for every sequence of the batch at once (static shapes, ragged counts)
 The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1`` and
 proposes token ``p + 2`` (the EAGLE convention).
 
-Sampling runs on the device: every random number comes from one device generator
-seeded identically on all ranks, and the merged logits are bitwise the same on all
+Sampling runs on the device: every random number comes from device generators seeded
+identically on all ranks (``Noise``), and the merged logits are bitwise the same on all
 ranks, so every rank accepts the same tokens without communicating.  The host reads
-one small tensor per step (the emitted tokens, their counts and the accept counts).
+one small tensor per step (the emitted tokens and the accept counts).
 
 Three parts: ``SpecGraphs`` prepares the models and compiles the step graphs (after
 ``SpecDecoder`` has checked every argument); ``DeviceStep`` runs a prefill or a
-speculative step on the device; ``RequestBook`` keeps each request's tokens on the host.
-``SpecDecoder.generate`` is the loop that joins them.  Models meet the decoder through
+speculative step on the device; ``engine.SpecEngine`` keeps the requests on the host
+and admits them into rows.  ``SpecDecoder.generate`` is a loop over an engine.  Models meet the decoder through
 a small protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 """
 
@@ -84,28 +84,80 @@ class RequestOutput:
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def _probs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+class Noise:
+    """The sampler's random numbers, on the device.  One generator, seeded alike on every
+    rank, serves the batch; a request with its own ``seed`` draws its row from a generator
+    of its own, so its tokens depend on its seed alone, not on the requests it shares a
+    batch with.  Every rank makes the same draws, so ranks agree without communicating."""
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.shared = torch.Generator(device=device).manual_seed(seed)
+        self.rows: dict[int, torch.Generator] = {}
+
+    def seed_row(self, row: int, seed: int | None) -> None:
+        if seed is None:
+            self.rows.pop(row, None)
+        else:
+            self.rows[row] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def exponential(self, like: torch.Tensor) -> torch.Tensor:
+        """Exponential(1) draws shaped as ``like [B, ...]``, row ``b`` from its own generator."""
+        draws = torch.empty_like(like).exponential_(1.0, generator=self.shared)
+        for row, generator in self.rows.items():
+            draws[row].exponential_(1.0, generator=generator)
+        return draws
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        draws = torch.rand(*shape, generator=self.shared, device=self.device)
+        for row, generator in self.rows.items():
+            draws[row] = torch.rand(*shape[1:], generator=generator, device=self.device)
+        return draws
+
+
+def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs [..., V]``, on the device: the first of V exponential
     clocks with rates ``probs`` to ring, ``argmax(probs / E)``, is distributed as
     ``probs``, with no host sync (``torch.multinomial`` on CUDA synchronizes)."""
-    clocks = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    if isinstance(noise, Noise):
+        clocks = noise.exponential(probs)
+    else:
+        clocks = torch.empty_like(probs).exponential_(1.0, generator=noise)
     return (probs / clocks).argmax(-1)
+
+
+def _uniform(noise: Noise | torch.Generator | None, B: int, k: int, device) -> torch.Tensor:
+    if isinstance(noise, Noise):
+        return noise.uniform(B, k)
+    return torch.rand(B, k, generator=noise, device=device)
+
+
+def _row_temperatures(temperature: float | torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
+    """``(divisor, sampled rows)``: a per-row temperature tensor ``[B]`` becomes a divisor
+    ``[B, 1, ...]`` shaped for ``logits`` (greedy rows divide by 1, their samples unused)
+    and a ``[B]`` mask of the rows that sample; a float stays as it is."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature, None
+    sampled = temperature > 0
+    divisor = torch.where(sampled, temperature, 1.0).view(-1, *([1] * (logits.dim() - 1)))
+    return divisor, sampled
 
 
 def accept_chain(
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    temperature: float,
-    generator: torch.Generator | None,
+    temperature: float | torch.Tensor,
+    generator: Noise | torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How many of ``drafts [B, k]`` the target accepts, and the token that follows them.
 
     ``target_logits [B, k+1, V]``: the target's logits after ``t0, d1..dk``.
+    ``temperature``: one for the batch, or ``[B]`` per row (0: that row is greedy).
 
     Greedy (temperature 0): accept ``d_j`` while it equals the target's argmax; the
     next token is the target's argmax after the last accepted draft.
@@ -117,16 +169,20 @@ def accept_chain(
     the logits; ``generator`` must live there too.
     """
     B, k = drafts.shape
-    if temperature == 0:
+    greedy_rows = None
+    if isinstance(temperature, torch.Tensor) or temperature == 0:
         greedy = target_logits.argmax(-1)  # [B, k+1]
         matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
-        accepted = matches.sum(dim=1)
-        return accepted, greedy.gather(1, accepted[:, None])[:, 0]
-    p = _probs(target_logits, temperature)  # [B, k+1, V]
+        greedy_accepted = matches.sum(dim=1)
+        greedy_rows = greedy_accepted, greedy.gather(1, greedy_accepted[:, None])[:, 0]
+        if draft_probs is None:
+            return greedy_rows
+    divisor, sampled_rows = _row_temperatures(temperature, target_logits)
+    p = _probs(target_logits, divisor)  # [B, k+1, V]
     q = draft_probs.float()
     p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
     q_d = q.gather(2, drafts[..., None])[..., 0]
-    u = torch.rand(B, k, generator=generator, device=p.device)
+    u = _uniform(generator, B, k, p.device)
     ok = (u * q_d < p_d).long().cumprod(dim=1)
     accepted = ok.sum(dim=1)
     rows = torch.arange(B, device=p.device)
@@ -136,7 +192,10 @@ def accept_chain(
     weights = torch.where((accepted == k)[:, None], p[rows, k], residual)
     # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
-    return accepted, sample_from(weights / weights.sum(-1, keepdim=True), generator)
+    bonus = sample_from(weights / weights.sum(-1, keepdim=True), generator)
+    if sampled_rows is None:
+        return accepted, bonus
+    return torch.where(sampled_rows, accepted, greedy_rows[0]), torch.where(sampled_rows, bonus, greedy_rows[1])
 
 
 class SpecGraphs:
@@ -195,6 +254,10 @@ class StepState:
     """``[B, 1, H]`` the draft's hidden state they came with."""
     active: torch.Tensor
     """``[B]`` bool: rows still generating."""
+    temperature: torch.Tensor
+    """``[B]`` each row's sampling temperature (0: greedy)."""
+    sampling: bool
+    """Whether any row samples (the host knows; all-greedy steps skip the sampler)."""
 
 
 class DeviceStep:
@@ -202,10 +265,10 @@ class DeviceStep:
     Nothing here reads the device from the host, except the optional rank check."""
 
     def __init__(self, graphs: SpecGraphs, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int,
-                 chunk_size: int, temperature: float, check_ranks: bool, target_vocab: int, draft: SpecDraft):
+                 chunk_size: int, check_ranks: bool, target_vocab: int, draft: SpecDraft):
         self.graphs, self.group, self.k = graphs, group, k
         self.max_batch, self.max_seq_len, self.chunk_size = max_batch, max_seq_len, chunk_size
-        self.temperature, self.check_ranks = temperature, check_ranks and group.size > 1
+        self.check_ranks = check_ranks and group.size > 1
         self.target_vocab, self.draft = target_vocab, draft
         self.device = group.device
         self.rows = torch.arange(max_batch, device=self.device)
@@ -224,49 +287,72 @@ class DeviceStep:
                 f"differs; rerun with cuda_graphs=False to see whether capture is involved"
             )
 
-    def choose(self, logits: torch.Tensor, generator) -> torch.Tensor:
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        return sample_from(_probs(logits, self.temperature), generator)
+    def choose(self, logits: torch.Tensor, temperature: torch.Tensor, sampling: bool, noise: Noise) -> torch.Tensor:
+        greedy = logits.argmax(-1)
+        if not sampling:
+            return greedy
+        divisor, sampled_rows = _row_temperatures(temperature, logits)
+        return torch.where(sampled_rows, sample_from(_probs(logits, divisor), noise), greedy)
 
-    def propose(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft token (target ids) and, when sampling, the draft's distribution over target ids."""
+    def propose(self, logits: torch.Tensor, temperature: torch.Tensor, sampling: bool,
+                noise: Noise) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token (target ids) and, when any row samples, the draft's distribution
+        over target ids."""
         ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        if self.temperature == 0:
-            return ids[logits.argmax(-1)], None
-        q_draft = _probs(logits, self.temperature)
+        greedy = ids[logits.argmax(-1)]
+        if not sampling:
+            return greedy, None
+        divisor, sampled_rows = _row_temperatures(temperature, logits)
+        q_draft = _probs(logits, divisor)
         q = torch.zeros(logits.shape[0], self.target_vocab, dtype=q_draft.dtype, device=logits.device)
         q = q.index_add_(1, ids, q_draft)
-        return sample_from(q, generator), q
+        return torch.where(sampled_rows, sample_from(q, noise), greedy), q
 
-    def prefill(self, prompts: Sequence[Sequence[int]], live: list[bool], generator) -> StepState:
-        """Feed the prompts chunk by chunk through the target and then the draft.
+    def prefill(self, prompts: Sequence[Sequence[int]], admitted: Sequence[bool], temperature: Sequence[float],
+                noise: Noise, state: StepState | None = None) -> StepState:
+        """Feed the ``admitted`` rows' prompts chunk by chunk through the target and then
+        the draft, while the other rows keep what ``state`` holds for them.
 
         The draft's chunk reads the target's features of the same chunk and the token one
         ahead; at a row's last prompt position that token is the one just sampled, so the
-        draft runs after the target's logits are in.  The state holds, per row, the token
-        sampled after the prompt and the draft's logits and hidden state at the prompt's
-        last position, which propose the first draft token.
+        draft runs after the target's logits are in.  The state then holds, per admitted
+        row, the token sampled after the prompt and the draft's logits and hidden state at
+        the prompt's last position, which propose the first draft token.
+
+        Every chunk is ``[max_batch, chunk_size]``, so the rows not admitted run too: a
+        running row's chunk sits at positions past its committed length (slots that a
+        step writes before any query reads them), and its results are dropped.
         """
         g, rows = self.graphs, self.rows
+        admitted_t = torch.tensor(list(admitted), device=self.device)
+        temperature_t = torch.tensor(list(temperature), dtype=torch.float32, device=self.device)
+        sampling = any(t > 0 for t, a in zip(temperature, admitted) if a)
+        offsets = None if state is None else torch.where(admitted_t, 0, state.length + 1)
         current = q_logits = hidden = None
-        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device):
+        if state is not None:
+            current, q_logits, hidden = state.current, state.q_logits, state.hidden
+        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device, offsets=offsets):
             last = chunk.last[:, None]
+            ends = chunk.ends & admitted_t
             logits, features = g.target_prefill(chunk.tokens, chunk.positions, last)
-            sampled = self.choose(logits[:, 0], generator)
+            sampled = self.choose(logits[:, 0], temperature_t, sampling, noise)
             if self.check_ranks:
                 self.check_ranks_agree(0, logits[:, 0], sampled)
-            current = sampled if current is None else torch.where(chunk.ends, sampled, current)
+            current = sampled if current is None else torch.where(ends, sampled, current)
             next_tokens = chunk.next_tokens.clone()
-            next_tokens[rows, chunk.last] = torch.where(chunk.ends, current, next_tokens[rows, chunk.last])
+            next_tokens[rows, chunk.last] = torch.where(ends, current, next_tokens[rows, chunk.last])
             chunk_q, chunk_hidden = g.draft_forward(next_tokens, chunk.positions, features, last)
-            ends = chunk.ends[:, None]
-            q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends, chunk_q[:, 0], q_logits)
-            hidden = chunk_hidden if hidden is None else torch.where(ends[:, :, None], chunk_hidden, hidden)
+            q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends[:, None], chunk_q[:, 0], q_logits)
+            hidden = chunk_hidden if hidden is None else torch.where(ends[:, None, None], chunk_hidden, hidden)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        return StepState(lengths, current, q_logits, hidden, torch.tensor(live, device=self.device))
+        if state is None:
+            return StepState(lengths, current, q_logits, hidden, admitted_t, temperature_t, sampling)
+        state.length = torch.where(admitted_t, lengths, state.length)
+        state.current, state.q_logits, state.hidden = current, q_logits, hidden
+        state.temperature = torch.where(admitted_t, temperature_t, state.temperature)
+        return state
 
-    def step(self, state: StepState, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step(self, state: StepState, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft, verify, accept, commit and draft-extend once.  Returns ``(new_tokens [B,
         k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``.
         ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``."""
@@ -275,7 +361,7 @@ class DeviceStep:
         q_logits, hidden = state.q_logits, state.hidden
         drafts, draft_probs = [], []
         for j in range(k):
-            token, q = self.propose(q_logits, generator)
+            token, q = self.propose(q_logits, state.temperature, state.sampling, noise)
             drafts.append(token)
             draft_probs.append(q)
             if j < k - 1:
@@ -285,8 +371,8 @@ class DeviceStep:
         verify_tokens = torch.cat([state.current[:, None], drafts], dim=1)
         verify_positions = state.length[:, None] + steps
         logits, features = g.target_verify(verify_tokens, verify_positions)
-        probs = torch.stack(draft_probs, dim=1) if self.temperature > 0 else None
-        accepted, bonus = accept_chain(logits, drafts, probs, self.temperature, generator)
+        probs = torch.stack(draft_probs, dim=1) if state.sampling else None
+        accepted, bonus = accept_chain(logits, drafts, probs, state.temperature, noise)
         accepted = torch.where(state.active, accepted, 0)
         if self.check_ranks:
             self.check_ranks_agree(self.verify_steps, logits, drafts, accepted, bonus)
@@ -306,53 +392,6 @@ class DeviceStep:
         state.active = torch.tensor(live, device=self.device)
         state.length = torch.where(state.active, state.length + accepted + 1, state.length)
         state.current = torch.where(state.active, bonus, state.current)
-
-
-class RequestBook:
-    """The host's side: each request's tokens, accept counts and end, from one read of
-    the device per step."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]], max_batch: int, max_seq_len: int, k: int,
-                 max_new_tokens: int, eos_id: int | None, on_tokens: Callable[[int, list[int]], None] | None):
-        self.outputs = [RequestOutput() for _ in prompts]
-        self.max_new_tokens, self.eos_id, self.on_tokens = max_new_tokens, eos_id, on_tokens
-        self.rows: list[Sequence[int]] = []
-        for out, prompt in zip(self.outputs, prompts):
-            need = len(prompt) + max_new_tokens + k + 1
-            if len(prompt) == 0 or need > max_seq_len:
-                out.finished_by, out.error = "refused", (
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + verify window {k + 1} needs "
-                    f"{need} cache positions; the cache holds max_seq_len={max_seq_len}"
-                    if prompt else "empty prompt"
-                )
-                self.rows.append([0])
-            else:
-                self.rows.append(prompt)
-        self.rows += [[0]] * (max_batch - len(prompts))
-        self.live = [o.finished_by == "" for o in self.outputs] + [False] * (max_batch - len(prompts))
-
-    def emit(self, new_tokens: torch.Tensor, counts: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
-        """Hand the step's tokens to the requests: one device-to-host copy for the batch."""
-        width = new_tokens.shape[1]
-        packed = torch.cat([new_tokens, counts[:, None], (accepted if accepted is not None else counts)[:, None]], 1)
-        host = packed.tolist()
-        for i, out in enumerate(self.outputs):
-            if not self.live[i]:
-                continue
-            if accepted is not None:
-                out.accepted.append(host[i][width + 1])
-            fresh = host[i][: host[i][width]]
-            fresh = fresh[: self.max_new_tokens - len(out.tokens)]
-            if self.eos_id is not None and self.eos_id in fresh:
-                fresh = fresh[: fresh.index(self.eos_id) + 1]
-                out.finished_by = "eos"
-            out.tokens += fresh
-            if not out.finished_by and len(out.tokens) >= self.max_new_tokens:
-                out.finished_by = "length"
-            if fresh and self.on_tokens is not None:
-                self.on_tokens(i, fresh)
-            if out.finished_by:
-                self.live[i] = False
 
 
 class SpecDecoder:
@@ -431,7 +470,7 @@ class SpecDecoder:
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
         self.graph_runners = graphs.graph_runners
         self.device_step = DeviceStep(graphs, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
-                                      chunk_size=chunk_size, temperature=temperature, check_ranks=check_ranks,
+                                      chunk_size=chunk_size, check_ranks=check_ranks,
                                       target_vocab=target.vocab_size, draft=draft)
 
     @torch.no_grad()
@@ -443,21 +482,29 @@ class SpecDecoder:
         eos_id: int | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[RequestOutput]:
-        """Decode every prompt; ``on_tokens(request, new_tokens)`` streams as tokens are accepted."""
-        if len(prompts) > self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}; split the batch")
+        """Decode every prompt; ``on_tokens(request, new_tokens)`` streams as tokens are
+        accepted.  Every rank must pass the same prompts.  A loop over a fresh
+        ``SpecEngine`` (its generator seeded with ``seed``): more prompts than
+        ``max_batch`` queue, and start as earlier ones finish."""
+        from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        book = RequestBook(prompts, self.max_batch, self.max_seq_len, self.k, max_new_tokens, eos_id, on_tokens)
-        step = self.device_step
-        generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        step.verify_steps = 0
-        state = step.prefill(book.rows, book.live, generator)
-        book.emit(state.current[:, None], torch.ones(self.max_batch, dtype=torch.long, device=self.device))
-        state.active = torch.tensor(book.live, device=self.device)
-        while any(book.live):
-            new_tokens, accepted, bonus = step.step(state, generator)
-            # The host reads the step only now, with the commit and the draft queued.
-            book.emit(new_tokens, accepted + 1, accepted)
-            step.advance(state, accepted, bonus, book.live)
-        return book.outputs
+        engine = SpecEngine(self)
+        outputs = [RequestOutput() for _ in prompts]
+        ids: dict[int, int] = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                ids[engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, eos_id=eos_id))] = i
+            except ValueError as error:
+                outputs[i].finished_by, outputs[i].error = "refused", str(error)
+        while engine.has_work():
+            for request_id, event in engine.step().items():
+                i = ids[request_id]
+                outputs[i].tokens += event.tokens
+                outputs[i].accepted += event.accepted
+                if event.tokens and on_tokens is not None:
+                    on_tokens(i, event.tokens)
+                if event.finished_by:
+                    outputs[i].finished_by = event.finished_by
+        return outputs

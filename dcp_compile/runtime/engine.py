@@ -1,0 +1,341 @@
+"""Continuous batching over a ``SpecDecoder``: requests join and leave a running batch.
+
+``SpecEngine.add_request`` queues a request, ``step`` admits queued requests into free
+rows (prefilling them while the running rows wait one step) and runs one speculative step
+for every running row, ``abort`` frees a row at the next step.  Shapes never change: a
+newcomer's prefill is the decoder's ``[max_batch, chunk_size]`` chunk, a step is the
+decoder's step, so arrivals and departures neither recompile nor recapture.
+
+Every rank must take the same decisions.  Two ways to arrange it:
+
+- every rank makes the same calls (``SpecDecoder.generate`` does: SPMD);
+- ``leader=True``: rank 0 alone takes requests and aborts; each ``step`` starts with one
+  fixed-size broadcast from rank 0 saying what the step admits and aborts (then the
+  admitted prompts' tokens), and the other ranks run ``follow()`` until rank 0 calls
+  ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dcp_compile.runtime.spec import Noise, SpecDecoder, StepState
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float | None = None
+    """``None``: the decoder's temperature; 0 is greedy."""
+    seed: int | None = None
+    """A generator of the request's own, so that its samples do not depend on the other
+    requests in the batch; ``None`` draws from the engine's shared generator."""
+    eos_id: int | None = None
+
+
+@dataclass
+class StepEvent:
+    """What one request did in one ``step``."""
+
+    tokens: list[int] = field(default_factory=list)
+    """New tokens (EOS included when it ended the request)."""
+    accepted: list[int] = field(default_factory=list)
+    """Draft tokens the target accepted in this step's verify (empty on admission)."""
+    finished_by: str | None = None
+    """``"eos"``, ``"length"`` or ``"aborted"`` when the request ended in this step."""
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    temperature: float
+    tokens: list[int] = field(default_factory=list)
+    row: int | None = None
+
+
+@dataclass
+class _Plan:
+    """One step's decisions: rank 0's, broadcast to the others in leader mode."""
+
+    stop: bool = False
+    aborts: list[int] = field(default_factory=list)
+    """Rows whose request is aborted."""
+    admits: list[_Request] = field(default_factory=list)
+    """Requests admitted, each with its ``row`` set."""
+
+
+_FIELDS = 9  # per row: admit, id, prompt length, max_new_tokens, temperature bits, has seed, seed, eos, abort
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+class SpecEngine:
+    """A step-level speculative decoding engine over ``decoder``'s rows.
+
+    ``leader``: rank 0 owns the queue and broadcasts each step's admissions and aborts
+    (through ``torch.distributed``); the other ranks call ``follow()``.  Without it, every
+    rank must make the same calls in the same order.
+    """
+
+    def __init__(self, decoder: SpecDecoder, *, leader: bool = False):
+        self.decoder = decoder
+        self.group = decoder.group
+        self.device = decoder.device
+        self.device_step = decoder.device_step
+        self.device_step.verify_steps = 0
+        self.leader = leader and self.group.size > 1
+        self.is_leader = self.group.rank == 0 or not self.leader
+        self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
+        self.vocab = decoder.target.vocab_size
+        self.noise = Noise(self.device, decoder.seed)
+        self.state: StepState | None = None
+        self.rows: list[_Request | None] = [None] * self.B
+        self.waiting: deque[_Request] = deque()
+        self.aborted_waiting: list[_Request] = []
+        self.pending_aborts: set[int] = set()
+        self.requests: dict[int, _Request] = {}
+        self.next_id = 0
+        self.stopped = False
+        self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, accepted=0, step_seconds=0.0)
+
+    # ---- requests (rank 0 in leader mode; every rank otherwise)
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:
+        """The prompt as a list and the request's temperature, or ``ValueError`` saying what
+        is wrong with them."""
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is a sequence of token ids, got {type(prompt).__name__}")
+        tokens = list(prompt)
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab}); got {bad[:5]!r}")
+        n = params.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        need = len(tokens) + n + self.k + 1
+        if need > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} cache "
+                f"positions; the cache holds max_seq_len={self.max_seq_len}"
+            )
+        temperature = self.decoder.temperature if params.temperature is None else params.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+                or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)
+                                        or not 0 <= params.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")
+        if params.eos_id is not None and (isinstance(params.eos_id, bool) or not isinstance(params.eos_id, int)
+                                          or not 0 <= params.eos_id < self.vocab):
+            raise ValueError(f"eos_id must be a token id in [0, {self.vocab}), got {params.eos_id!r}")
+        return tokens, float(temperature)
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id.  Raises ``ValueError`` for a request the
+        engine cannot serve, leaving the engine as it was."""
+        if not self.is_leader:
+            raise RuntimeError("in leader mode only rank 0 takes requests; the other ranks run follow()")
+        params = params or SamplingParams()
+        tokens, temperature = self.check_request(prompt, params)
+        request = _Request(self.next_id, tokens, params, temperature)
+        self.next_id += 1
+        self.requests[request.id] = request
+        self.waiting.append(request)
+        return request.id
+
+    def abort(self, request_id: int) -> bool:
+        """End a request at the next step (its row is freed there); False if it is not
+        queued or running."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.row is None:
+            self.waiting.remove(request)
+            self.aborted_waiting.append(request)
+        else:
+            self.pending_aborts.add(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.aborted_waiting or any(r is not None for r in self.rows))
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    # ---- the step
+
+    def _plan(self) -> _Plan:
+        plan = _Plan(aborts=sorted(self.requests[i].row for i in self.pending_aborts))
+        self.pending_aborts.clear()
+        free = [row for row in range(self.B) if self.rows[row] is None or row in plan.aborts]
+        while self.waiting and free:
+            request = self.waiting.popleft()
+            request.row = free.pop(0)
+            plan.admits.append(request)
+        return plan
+
+    def _broadcast(self, plan: _Plan | None) -> _Plan:
+        header = torch.zeros(2 + self.B * _FIELDS, dtype=torch.long)
+        prompt_tokens = []
+        if plan is not None:
+            header[0] = int(plan.stop)
+            table = header[2:].view(self.B, _FIELDS)
+            for request in plan.admits:
+                p = request.params
+                table[request.row, :8] = torch.tensor([
+                    1, request.id, len(request.prompt), p.max_new_tokens, _float_bits(request.temperature),
+                    int(p.seed is not None), p.seed or 0, -1 if p.eos_id is None else p.eos_id])
+                prompt_tokens += request.prompt
+            for row in plan.aborts:
+                table[row, 8] = 1
+            header[1] = len(prompt_tokens)
+        header = header.to(self.device)
+        dist.broadcast(header, src=0, group=self.group.process_group)
+        if plan is not None:
+            if prompt_tokens:
+                dist.broadcast(torch.tensor(prompt_tokens, device=self.device), src=0, group=self.group.process_group)
+            return plan
+        header = header.tolist()
+        plan = _Plan(stop=bool(header[0]))
+        tokens = torch.empty(header[1], dtype=torch.long, device=self.device)
+        if header[1]:
+            dist.broadcast(tokens, src=0, group=self.group.process_group)
+        tokens = tokens.tolist()
+        for row in range(self.B):
+            admit, rid, length, max_new, temperature, has_seed, seed, eos, abort = header[2 + row * _FIELDS:][:_FIELDS]
+            if abort:
+                plan.aborts.append(row)
+            if admit:
+                params = SamplingParams(max_new_tokens=max_new, temperature=_bits_float(temperature),
+                                        seed=seed if has_seed else None, eos_id=None if eos < 0 else eos)
+                request = _Request(rid, tokens[:length], params, params.temperature, row=row)
+                tokens = tokens[length:]
+                self.requests[rid] = request
+                plan.admits.append(request)
+        return plan
+
+    def _emit(self, request: _Request, fresh: list[int], event: StepEvent) -> None:
+        fresh = fresh[: request.params.max_new_tokens - len(request.tokens)]
+        eos = request.params.eos_id
+        if eos is not None and eos in fresh:
+            fresh = fresh[: fresh.index(eos) + 1]
+            event.finished_by = "eos"
+        request.tokens += fresh
+        event.tokens += fresh
+        self.stats["tokens"] += len(fresh)
+        if not event.finished_by and len(request.tokens) >= request.params.max_new_tokens:
+            event.finished_by = "length"
+
+    def _free(self, request: _Request) -> None:
+        if request.row is not None:
+            self.rows[request.row] = None
+            self.noise.seed_row(request.row, None)
+        self.requests.pop(request.id, None)
+
+    def _live(self) -> list[bool]:
+        return [r is not None for r in self.rows]
+
+    @torch.no_grad()
+    def step(self) -> dict[int, StepEvent]:
+        """Apply this step's aborts and admissions, then run one speculative step for the
+        running rows.  Returns each touched request's new tokens and end."""
+        start = time.perf_counter()
+        if self.leader:
+            plan = self._broadcast(self._plan() if self.is_leader else None)
+        else:
+            plan = self._plan()
+        events: dict[int, StepEvent] = {}
+        if plan.stop:
+            self.stopped = True
+            return events
+        for request in self.aborted_waiting:
+            events[request.id] = StepEvent(finished_by="aborted")
+            self.requests.pop(request.id, None)
+        self.aborted_waiting = []
+        for row in plan.aborts:
+            request = self.rows[row]
+            events[request.id] = StepEvent(finished_by="aborted")
+            self.stats["aborted"] += 1
+            self._free(request)
+        if plan.admits:
+            self._admit(plan.admits, events)
+        if any(self._live()):
+            self._decode(events)
+        self.stats["step_seconds"] += time.perf_counter() - start
+        return events
+
+    def _admit(self, admits: list[_Request], events: dict[int, StepEvent]) -> None:
+        prompts: list[Sequence[int]] = [[0]] * self.B
+        admitted, temperature = [False] * self.B, [0.0] * self.B
+        for request in admits:
+            self.rows[request.row] = request
+            prompts[request.row], admitted[request.row] = request.prompt, True
+            temperature[request.row] = request.temperature
+            self.noise.seed_row(request.row, request.params.seed)
+        self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state)
+        self.stats["admitted"] += len(admits)
+        first = self.state.current.tolist()
+        for request in admits:
+            event = events.setdefault(request.id, StepEvent())
+            self._emit(request, [first[request.row]], event)
+            if event.finished_by:
+                self._finish(request)
+
+    def _finish(self, request: _Request) -> None:
+        self.stats["finished"] += 1
+        self._free(request)
+
+    def _decode(self, events: dict[int, StepEvent]) -> None:
+        state, live = self.state, self._live()
+        state.active = torch.tensor(live, device=self.device)
+        state.sampling = any(r is not None and r.temperature > 0 for r in self.rows)
+        new_tokens, accepted, bonus = self.device_step.step(state, self.noise)
+        # The one device-to-host copy of the step, with the commit and the draft queued.
+        width = new_tokens.shape[1]
+        host = torch.cat([new_tokens, accepted[:, None]], 1).tolist()
+        self.stats["verify_steps"] += 1
+        for row, request in enumerate(self.rows):
+            if request is None:
+                continue
+            a = host[row][width]
+            self.stats["accepted"] += a
+            event = events.setdefault(request.id, StepEvent())
+            event.accepted.append(a)
+            self._emit(request, host[row][: a + 1], event)
+            if event.finished_by:
+                self._finish(request)
+        self.device_step.advance(state, accepted, bonus, self._live())
+
+    # ---- leader mode
+
+    def follow(self) -> None:
+        """The other ranks' loop in leader mode: run rank 0's steps until it shuts down."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for the ranks other than 0 in leader mode")
+        while not self.stopped:
+            self.step()
+
+    def shutdown(self) -> None:
+        """Rank 0 in leader mode: end the followers' loops (call with no request running)."""
+        if self.leader and self.is_leader and not self.stopped:
+            self._broadcast(_Plan(stop=True))
+        self.stopped = True
