@@ -355,3 +355,39 @@ def refusal_worker(rank, size):
     except RuntimeError as error:
         to_error = str(error)
     return dict(errors=errors, untouched=untouched, logits=logits, reference_logits=ref_logits, to_error=to_error)
+
+
+def engine_leader_worker(rank, size, prompts, arrivals, abort_at):
+    """Leader mode: rank 0 takes ``prompts[i]`` at step ``arrivals[i]`` and aborts request
+    0 at step ``abort_at``; the other ranks follow.  Then every rank decodes the same
+    prompts as one static ``generate`` batch.  Returns each rank's tokens per request."""
+    from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+    from tests.support import agreeing_pair
+
+    group = dcp.init_group("cpu")
+    target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=2)
+    decoder = dcp.SpecDecoder(target, draft, group, k=3, max_batch=2, max_seq_len=96, lowering="aot_eager")
+    engine = SpecEngine(decoder, leader=True)
+    tokens, ends = {}, {}
+    if rank == 0:
+        step = 0
+        while step <= max(arrivals) or engine.has_work():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    engine.add_request(prompts[i], SamplingParams(max_new_tokens=12))
+            if step == abort_at:
+                engine.abort(0)
+            for rid, event in engine.step().items():
+                tokens.setdefault(rid, []).extend(event.tokens)
+                if event.finished_by:
+                    ends[rid] = event.finished_by
+            step += 1
+        engine.shutdown()
+    else:
+        while not engine.stopped:
+            for rid, event in engine.step().items():
+                tokens.setdefault(rid, []).extend(event.tokens)
+                if event.finished_by:
+                    ends[rid] = event.finished_by
+    static = [o.tokens for o in decoder.generate(prompts, 12)]
+    return dict(tokens=tokens, ends=ends, static=static)
