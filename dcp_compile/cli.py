@@ -369,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
+    s = sub.add_parser("serve", help="an OpenAI-compatible completions server (POST /v1/completions, streaming)")
+    from dcp_compile import serve as serving
+
+    serving.add_arguments(s)
     p = sub.add_parser("plan", help="what batch x context fits on one GPU at each DCP size, before anything is allocated")
     p.add_argument("--model", default="llama3-8b", help="llama3-8b (the shape), a shipped name or a checkpoint directory")
     p.add_argument("--gpu-gib", type=float, help="memory per GPU in GiB; default: the total of CUDA device 0")
@@ -380,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_command(parser, args)
+    if args.command == "serve":
+        serving.check_arguments(parser, args)
+        return serving.serve(args)
     if args.command == "train":
         return train_command(args)
     if args.command == "eval":

@@ -112,7 +112,8 @@ class SpecEngine:
         self.requests: dict[int, _Request] = {}
         self.next_id = 0
         self.stopped = False
-        self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, accepted=0, step_seconds=0.0)
+        self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
+                          step_seconds=0.0)
 
     # ---- requests (rank 0 in leader mode; every rank otherwise)
 
@@ -318,6 +319,7 @@ class SpecEngine:
                 continue
             a = host[row][width]
             self.stats["accepted"] += a
+            self.stats["row_steps"] += 1
             event = events.setdefault(request.id, StepEvent())
             event.accepted.append(a)
             self._emit(request, host[row][: a + 1], event)

@@ -1,0 +1,254 @@
+"""`dcp-compile serve` through a real HTTP client: 2 CPU ranks and the shipped pair."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from dcp_compile.serve import BadRequest, parse_completion
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import load_test  # noqa: E402
+
+MAX_BATCH, MAX_SEQ_LEN, K = 4, 384, 4
+START_SECONDS = 300
+
+
+def start_server(port: int, log: Path) -> subprocess.Popen:
+    from dcp_compile.runtime.launch import free_port  # noqa: F401  (the port comes from the caller)
+
+    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--dcp", "2", "--port", str(port), "--max-batch",
+               str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--k", str(K), "--drain-seconds", "60"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the server did not come up in {START_SECONDS}s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dcp_compile.runtime.launch import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    process = start_server(port, log)
+    yield dict(url=f"http://127.0.0.1:{port}", process=process, log=log)
+    stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Offline ``generate()`` with the server's shapes, on one rank (the off arm)."""
+    import dcp_compile as dcp
+    from dcp_compile.models.pretrained import load_pair
+
+    target, draft = load_pair("tiny-code", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
+    decoder = dcp.SpecDecoder(target, draft, dcp.DCPGroup(1, 0, torch.device("cpu"), None), k=K, max_batch=MAX_BATCH,
+                              max_seq_len=MAX_SEQ_LEN, lowering="aot_eager")
+
+    def texts(prompts, max_tokens):
+        outputs = [decoder.generate([p], n, eos_id=0)[0] for p, n in zip(prompts, max_tokens)]
+        return [(bytes(t for t in o.tokens if t != 0).decode("utf-8", "replace"), o.finished_by) for o in outputs]
+
+    return texts
+
+
+def complete(url, **body):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def stream_text(url, **body):
+    text, reasons = "", []
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reasons += [choice["finish_reason"]] if choice["finish_reason"] else []
+    return text, reasons
+
+
+@pytest.mark.parametrize("body, message", [
+    ([1, 2], "the body must be a JSON object, got list"),
+    ({"prompt": "x", "top_p": 0.9}, r"unsupported fields \['top_p'\]"),
+    ({"prompt": 5}, "'prompt' must be a string or a list of token ids, got int 5"),
+    ({"prompt": "x", "max_tokens": "ten"}, "'max_tokens' must be an integer, got str 'ten'"),
+    ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be >= 1, got 0"),
+    ({"prompt": "x", "temperature": "hot"}, "'temperature' must be a number, got str 'hot'"),
+    ({"prompt": "x", "stop": 3}, "'stop' must be a non-empty string or a list of up to 4 of them"),
+    ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean"),
+    ({"prompt": "x", "n": 2}, "'n' must be 1"),
+])
+def test_request_bodies_are_checked(body, message):
+    import re
+
+    with pytest.raises(BadRequest) as error:
+        parse_completion(body, "tiny-code")
+    assert re.search(message, str(error.value))
+
+
+def test_completions_match_offline_generate(server, offline):
+    url = server["url"]
+    prompt = "def fibonacci(n):\n"
+    response = complete(url, prompt=prompt, max_tokens=48)
+    assert response.status_code == 200
+    body = response.json()
+    choice = body["choices"][0]
+    expected_text, expected_end = offline([list(prompt.encode())], [48])[0]
+    assert choice["text"] == expected_text and choice["finish_reason"] == ("length" if expected_end == "length" else "stop")
+    assert body["usage"]["prompt_tokens"] == len(prompt.encode())
+    streamed, reasons = stream_text(url, prompt=prompt, max_tokens=48)
+    assert streamed == expected_text and reasons == [choice["finish_reason"]]
+    # token ids as the prompt, and a stop string that cuts the text before it
+    cut = expected_text[10:14]
+    stopped = complete(url, prompt=list(prompt.encode()), max_tokens=48, stop=[cut]).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == expected_text[: expected_text.index(cut)]
+    assert stream_text(url, prompt=prompt, max_tokens=48, stop=cut) == (stopped["text"], ["stop"])
+
+
+def test_bad_requests_get_400_while_a_stream_runs(server, offline):
+    url = server["url"]
+    prompt = "import os\n"
+    expected, _ = offline([list(prompt.encode())], [120])[0]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            running = asyncio.create_task(load_test._stream(client, url, dict(prompt=prompt, max_tokens=120)))
+            await asyncio.sleep(0.2)
+            bad = [
+                await client.post(f"{url}/v1/completions", content=b"{not json"),
+                await client.post(f"{url}/v1/completions", json={"prompt": "x" * MAX_SEQ_LEN, "max_tokens": 8}),
+                await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0}),
+                await client.post(f"{url}/v1/completions", json={"prompt": "x", "temperature": [1]}),
+                await client.post(f"{url}/v1/completions", json={"prompt": [300], "max_tokens": 4}),
+            ]
+            return await running, bad
+
+    result, bad = asyncio.run(scenario())
+    assert [r.status_code for r in bad] == [400] * 5
+    messages = [r.json()["error"]["message"] for r in bad]
+    assert messages[0].startswith("the body is not valid JSON")
+    assert f"the cache holds max_seq_len={MAX_SEQ_LEN}" in messages[1]
+    assert "'max_tokens' must be >= 1" in messages[2] and "'temperature' must be a number" in messages[3]
+    assert "prompt token ids must be ints in [0, 256)" in messages[4]
+    assert result["text"] == expected and result["reasons"] == ["length"]
+
+
+def metric(url, name):
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    url = server["url"]
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(prompt="class A:\n", max_tokens=300, stream=True),
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    deadline = time.monotonic() + 20
+    while metric(url, "dcp_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "dcp_requests_running") == 0
+    finished = metric(url, "dcp_tokens_total")
+    time.sleep(0.5)
+    assert metric(url, "dcp_tokens_total") == finished  # nothing decodes for it any more
+
+
+def test_load_64_streaming_requests_from_16_clients(server, offline):
+    url = server["url"]
+    requests = load_test.make_requests(64, seed=3, max_tokens=(4, 40))
+    out = asyncio.run(load_test.run_load(url, requests, concurrency=16))
+    summary, results = out["summary"], out["results"]
+    print("load test:", json.dumps(summary))
+    assert summary["completed"] == 64, [r for r in results if "text" not in r][:3]
+    ids = [r["ids"] for r in results]
+    assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == 64  # one id per stream, none shared
+    assert all(len(r["reasons"]) == 1 for r in results)  # exactly one end per request
+    expected = offline([r["prompt"] for r in requests], [r["max_tokens"] for r in requests])
+    assert [r["text"] for r in results] == [text for text, _ in expected]
+    assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"]
+
+
+def test_sigterm_drains_running_requests_and_exits_0(server):
+    url, process = server["url"], server["process"]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            running = asyncio.create_task(load_test._stream(client, url, dict(prompt="def main():\n", max_tokens=200)))
+            await asyncio.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            return await running
+
+    result = asyncio.run(scenario())
+    assert result["reasons"] == ["length"]
+    assert process.wait(timeout=60) == 0
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="finds the follower rank through /proc")
+def test_a_killed_follower_ends_the_server_with_an_error(tmp_path):
+    from dcp_compile.runtime.launch import free_port
+
+    port = free_port()
+    process = start_server(port, tmp_path / "server.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        followers = _children(process.pid)
+        assert len(followers) == 1, followers
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(prompt="import sys\n", max_tokens=300, stream=True),
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            os.kill(followers[0], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "the engine failed" in json.loads(rest[-1][6:])["error"]["message"], rest[-3:]
+        assert process.wait(timeout=60) == 1
+        assert "the engine stopped" in (tmp_path / "server.log").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
