@@ -120,6 +120,11 @@ def parse_completion(body, model: str) -> Completion:
     return Completion(tokens, params, stop, stream, str(body.get("model") or model))
 
 
+def _deliver(batch: list[tuple[Completion, tuple]]) -> None:
+    for completion, item in batch:
+        completion.events.put_nowait(item)
+
+
 class EngineThread:
     """The one thread that drives the engine on rank 0."""
 
@@ -127,6 +132,7 @@ class EngineThread:
         self.engine = engine
         self.inbox: queue.Queue = queue.Queue()
         self.by_engine_id: dict[int, Completion] = {}
+        self.outbox: list[tuple[Completion, tuple]] = []
         self.failure: str | None = None
         self.draining = False
         self.closed = threading.Event()
@@ -158,7 +164,13 @@ class EngineThread:
     # ---- the engine thread
 
     def _send(self, completion: Completion, item) -> None:
-        completion.loop.call_soon_threadsafe(completion.events.put_nowait, item)
+        self.outbox.append((completion, item))
+
+    def _flush(self) -> None:
+        """Hand the step's items to the event loop in one wake-up, not one per request."""
+        if self.outbox:
+            batch, self.outbox = self.outbox, []
+            batch[0][0].loop.call_soon_threadsafe(_deliver, batch)
 
     def _finish(self, completion: Completion, reason: str) -> None:
         completion.done = True
@@ -201,7 +213,7 @@ class EngineThread:
             block = False
             if kind == "add":
                 if self.draining or self.failure:
-                    value.loop.call_soon_threadsafe(value.events.put_nowait, ("error", "the server is shutting down"))
+                    self._send(value, ("error", "the server is shutting down"))
                     continue
                 value.engine_id = self.engine.add_request(value.prompt, value.params)
                 self.by_engine_id[value.engine_id] = value
@@ -225,14 +237,18 @@ class EngineThread:
                         self._finish(completion, "abort")
                     while self.engine.has_work():
                         self._step()
+                    self._flush()
                     self.engine.shutdown()
                     return
                 self._step()
+                self._flush()
         except BaseException as error:  # a failed collective, a dead peer: nothing more can run
             self.failure = f"{type(error).__name__}: {error}"
             print(f"dcp-compile serve: the engine stopped: {self.failure}", file=sys.stderr, flush=True)
+            self.outbox = []
             for completion in list(self.by_engine_id.values()):
                 self._send(completion, ("error", f"the engine failed: {self.failure}"))
+            self._flush()
             self.on_failure()
         finally:
             self.closed.set()
@@ -256,6 +272,8 @@ class EngineThread:
             time.sleep(0.5)
 
     def metrics_text(self) -> str:
+        from torch._dynamo.utils import counters
+
         stats = self.engine.stats
         steps, row_steps = stats["verify_steps"], stats["row_steps"]
         lines = {
@@ -267,6 +285,9 @@ class EngineThread:
             "dcp_verify_steps_total": steps,
             "dcp_mean_accept_length": round(stats["accepted"] / row_steps + 1, 4) if row_steps else 0.0,
             "dcp_step_seconds_total": round(stats["step_seconds"], 6),
+            # Steady state: arrivals and departures must leave these two unchanged.
+            "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
+            "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),
         }
         return "".join(f"{name} {value}\n" for name, value in lines.items())
 
@@ -308,6 +329,13 @@ def build_app(worker: EngineThread, model_name: str):
                 try:
                     while True:
                         kind, *rest = await completion.events.get()
+                        # Whatever else has arrived goes out in the same chunk.
+                        while kind == "text" and rest[1] is None and not completion.events.empty():
+                            next_kind, *next_rest = completion.events.get_nowait()
+                            if next_kind != "text":
+                                kind, rest = next_kind, next_rest
+                                break
+                            rest = [rest[0] + next_rest[0], next_rest[1]]
                         if kind == "error":
                             yield f"data: {json.dumps({'error': {'message': rest[0], 'type': 'server_error'}})}\n\n"
                             finished = True

@@ -188,6 +188,7 @@ def test_a_client_that_disconnects_frees_its_row(server):
 def test_load_64_streaming_requests_from_16_clients(server, offline):
     url = server["url"]
     requests = load_test.make_requests(64, seed=3, max_tokens=(4, 40))
+    compiles = metric(url, "dcp_compiles_total")
     out = asyncio.run(load_test.run_load(url, requests, concurrency=16))
     summary, results = out["summary"], out["results"]
     print("load test:", json.dumps(summary))
@@ -198,6 +199,7 @@ def test_load_64_streaming_requests_from_16_clients(server, offline):
     expected = offline([r["prompt"] for r in requests], [r["max_tokens"] for r in requests])
     assert [r["text"] for r in results] == [text for text, _ in expected]
     assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"]
+    assert compiles > 0 and metric(url, "dcp_compiles_total") == compiles  # arrivals and departures never recompile
 
 
 def test_sigterm_drains_running_requests_and_exits_0(server):
