@@ -295,9 +295,17 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget = memory.device_budget("cuda:0")
     else:
         parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
+    from dcp_compile.models.mla import deepseek_v2_lite_shape, deepseek_v3_attention_shape
+
+    mla_shapes = {"deepseek-v2-lite": deepseek_v2_lite_shape, "deepseek-v3": deepseek_v3_attention_shape}
     if args.model == "llama3-8b":
         cfg = llama3_8b_shape()
         draft = DraftConfig(cfg, "eagle3") if args.k else None
+    elif args.model in mla_shapes:
+        cfg, draft = mla_shapes[args.model](), None
+        print(f"{args.model}: the reference MLA shape (latent cache {cfg.kv_lora_rank} + rope key "
+              f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
+              f"figure is the stand-in's, and no EAGLE draft is counted")
     else:
         cfg, draft = pair_configs(args.model)
         draft = draft if args.k else None
@@ -307,7 +315,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     base = planner.plan(sizes[0], 1, 1)
     print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU, budget "
           f"{budget / memory.GiB:.1f} GiB (of which {memory.BASE_RESERVE_BYTES / memory.GiB:.0f} GiB plus the step's "
-          f"logits are kept for activations), {args.dtype}, " + (f"EAGLE3 draft, k={args.k}" if args.k else "no draft"))
+          f"logits are kept for activations), {args.dtype}, " + (f"EAGLE3 draft, k={args.k}" if draft else "no draft"))
     header = " | ".join(f"DCP={n}" for n in sizes)
     print(f"\nlongest context per sequence (tokens)\n| batch | {header} |\n|---|" + "---|" * len(sizes))
     for batch, row in longest.items():
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
 
     serving.add_arguments(s)
     p = sub.add_parser("plan", help="what batch x context fits on one GPU at each DCP size, before anything is allocated")
-    p.add_argument("--model", default="llama3-8b", help="llama3-8b (the shape), a shipped name or a checkpoint directory")
+    p.add_argument("--model", default="llama3-8b", help="llama3-8b (the shape), deepseek-v2-lite or deepseek-v3 (the MLA "
+                   "reference shapes), a shipped name or a checkpoint directory")
     p.add_argument("--gpu-gib", type=float, help="memory per GPU in GiB; default: the total of CUDA device 0")
     p.add_argument("--dcp", default="1,2,4,8", help="DCP sizes (comma-separated)")
     p.add_argument("--batches", default="1,8,16,64")

@@ -43,6 +43,15 @@ def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens
     return KVLayout.capacity_of(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
 
 
+def cache_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    """Target KV-cache bytes per token over all layers: keys and values per KV head for a
+    ``LlamaConfig``; for an ``MLAConfig`` one shared latent and rope key per token, no
+    heads (``(kv_lora_rank + qk_rope_head_dim)`` numbers per layer)."""
+    if hasattr(cfg, "kv_lora_rank"):
+        return cfg.n_layers * cfg.cache_width * dtype.itemsize
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+
+
 def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
     with torch.device("meta"):
         module = module_factory()
@@ -84,7 +93,7 @@ class MemoryPlanner:
     """Plans for one target (and draft) config on one device budget."""
 
     target: object
-    """A ``LlamaConfig``."""
+    """A ``LlamaConfig``, or an ``MLAConfig`` (DeepSeek-style latent cache)."""
     budget_bytes: int
     dtype: torch.dtype = torch.bfloat16
     draft: object | None = None
@@ -93,11 +102,17 @@ class MemoryPlanner:
     interleave: int = 1
     step_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        if hasattr(self.target, "kv_lora_rank") and self.draft is not None:
+            raise ValueError("EAGLE drafts for MLA targets are not built yet: plan an MLA target with draft=None")
+
     @cached_property
     def _weight_bytes(self) -> tuple[int, int]:
         from dcp_compile.models import EagleDraft, Llama
+        from dcp_compile.models.mla import MLAConfig, MLATransformer
 
-        target = _param_bytes(lambda: Llama(self.target), self.dtype)
+        model = MLATransformer if isinstance(self.target, MLAConfig) else Llama
+        target = _param_bytes(lambda: model(self.target), self.dtype)
         draft = 0 if self.draft is None else _param_bytes(lambda: EagleDraft(self.draft), self.dtype, skip=("embed.",))
         return target, draft
 
@@ -106,7 +121,7 @@ class MemoryPlanner:
         for name, value in (("dcp_size", dcp_size), ("max_batch", max_batch), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        per_slot = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_slot = cache_bytes_per_token(cfg, self.dtype)
         slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens)
         target_weights, draft_bytes = self._weight_bytes
         if self.draft is not None:

@@ -141,3 +141,35 @@ def test_a_draft_cache_left_on_meta_is_allocated_whole():
     cache = draft.attention.k_cache
     assert not cache.is_meta and cache.shape == (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
     assert not cache.any()
+
+
+def test_mla_cache_is_one_latent_and_rope_key_per_token_and_layer():
+    from dcp_compile.models.mla import MLATransformer, deepseek_v2_lite_shape, deepseek_v3_attention_shape
+
+    # DeepSeek-V2-Lite: 27 layers x (512 + 64) numbers x 2 bytes = 31,104 bytes per token, no heads
+    lite = MemoryPlanner(deepseek_v2_lite_shape(), budget_bytes=H200_BYTES, dtype=torch.bfloat16, verify_tokens=4)
+    assert lite.plan(1, 8, 32768).target_kv_bytes == 27 * 576 * 2 * 8 * 32768
+    # DCP=2: ceil(32768 / 2) owner slots, a trash slot and 4 staging slots per sequence and rank
+    assert lite.plan(2, 8, 32768).target_kv_bytes == 27 * 576 * 2 * 8 * (16384 + 1 + 4)
+    v3 = MemoryPlanner(deepseek_v3_attention_shape(), budget_bytes=H200_BYTES, dtype=torch.bfloat16)
+    assert v3.plan(8, 1, 131072).target_kv_bytes == 61 * 576 * 2 * (16384 + 1)
+    # weights come from the reference model itself, built on the meta device
+    small = deepseek_v2_lite_shape(n_layers=1, vocab_size=1000)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in MLATransformer(small).parameters())
+    assert MemoryPlanner(small, 1 << 40).plan(1, 1, 64).weight_bytes == params * 2
+    with pytest.raises(ValueError, match="EAGLE drafts for MLA targets are not built yet"):
+        MemoryPlanner(small, 1 << 40, draft=DraftConfig(LlamaConfig(), "eagle3"))
+
+
+def test_plan_command_knows_the_mla_cache(capsys):
+    from dcp_compile.cli import main
+    from dcp_compile.models.mla import deepseek_v2_lite_shape
+
+    assert main(["plan", "--model", "deepseek-v2-lite", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8",
+                 "--contexts", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "latent cache 512 + rope key 64 per token and layer" in out and "no draft" in out
+    planner = MemoryPlanner(deepseek_v2_lite_shape(), int(139.8 * GiB), verify_tokens=4)
+    longest = planner.longest_context(2, 8)
+    assert f"| 8 | {planner.longest_context(1, 8):,} | {longest:,} |" in out
