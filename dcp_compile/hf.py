@@ -164,6 +164,7 @@ class DCPStaticCache(Cache):
         verify_tokens: int = 0,
     ):
         config = _text_config(config)
+        _refuse_latent_attention(config)
         types = _layer_types(config)
         unknown = sorted(set(types) - set(_SUPPORTED_LAYERS))
         if unknown:
@@ -355,6 +356,19 @@ def _refusing_unsupported_modes(generate, model):
     return checked
 
 
+def _refuse_latent_attention(config) -> None:
+    """DeepSeek-V2/V3-style multi-head latent attention caches one compressed latent and a
+    rope key per token (or, in older transformers, per-head keys 192 wide and values 128
+    wide): neither is the ``[B, H_kv, S, D]`` key/value pair this cache shards."""
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"{type(config).__name__} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}, "
+            f"qk_rope_head_dim={getattr(config, 'qk_rope_head_dim', None)}): its cache holds a compressed latent and a "
+            f"rope key per token, not per-head keys and values, and DCPStaticCache / DCPCausalLM do not shard MLA "
+            f"caches yet. The reference MLA target (dcp_compile.models.mla) is where DCP for MLA starts"
+        )
+
+
 def _refuse_sliding(config) -> None:
     types = _layer_types(config)
     if any(t != "full_attention" for t in types):
@@ -410,6 +424,7 @@ class DCPCausalLM(nn.Module):
                 f"DCPCausalLM needs attn_implementation='sdpa', got {config._attn_implementation!r}: load the model with "
                 f"from_pretrained(..., attn_implementation='sdpa')"
             )
+        _refuse_latent_attention(config)
         _refuse_sliding(config)
         self.model = model
         self.config = config

@@ -157,3 +157,23 @@ def test_a_sharded_cache_written_outside_a_dcp_graph_is_refused_before_the_write
         assert all(r["untouched"].values()), r["untouched"]
         torch.testing.assert_close(r["logits"], r["reference"], **FP32_TOLERANCE)
         assert "batch of 3 rows, but the model was prepared for max_batch=2" in r["batch_error"]
+
+
+def test_deepseek_latent_attention_is_refused_naming_why():
+    """transformers' DeepseekV3 caches a compressed latent and a rope key per token (5.24;
+    older versions per-head keys 192 wide and values 128 wide): not a cache these shard."""
+    import transformers
+
+    from dcp_compile.hf import DCPCausalLM, DCPStaticCache
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, max_position_embeddings=64, attn_implementation="sdpa")
+    message = r"DeepseekV3Config uses multi-head latent attention \(kv_lora_rank=32, qk_rope_head_dim=8\)"
+    with pytest.raises(ValueError, match=message):
+        DCPStaticCache(config, None, max_batch_size=2, max_cache_len=64)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=message):
+        DCPCausalLM(model, max_batch=2, max_seq_len=64)
