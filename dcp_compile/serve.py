@@ -15,10 +15,10 @@ Failure behaviour:
 - a client that disconnects mid-stream has its row freed at the next step;
 - SIGTERM (or SIGINT): stop admitting, let running requests finish for up to
   ``--drain-seconds``, abort the rest, stop the followers, exit 0;
-- a rank that dies or hangs: the step's collective fails (at once for a dead peer, after
-  ``--collective-timeout`` for a hung one) or the step watchdog fires
-  (``--step-timeout``); every open request gets an error, ``/health`` answers 503, and
-  the server exits with status 1.
+- a rank that dies or hangs: the step's collective fails (at once for a dead peer; after
+  ``--collective-timeout`` for one that hangs while the batch is idle or between steps)
+  or the step watchdog fires (``--step-timeout``, a rank that hangs inside a step); every
+  open request gets an error, ``/health`` answers 503, and the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 SHIPPED_EOS = 0
 """The document separator the shipped byte-level models were trained with."""
 
-_FIELDS = {"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream", "n", "user"}
+_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream", "n", "user"})
 HEARTBEAT_SECONDS = 0.5
 """An idle leader still steps (one small broadcast) this often, so the followers' waits
 stay far inside the collective timeout."""
@@ -408,7 +408,9 @@ def _join(args: argparse.Namespace):
     import dcp_compile as dcp
 
     device = args.device if args.device != "cuda" else None
-    return dcp.init_group(device, timeout=timedelta(seconds=args.collective_timeout))
+    # Compiling ranks can drift apart by minutes; --collective-timeout applies to the
+    # step plans once the warm-up is done, and --step-timeout to everything else.
+    return dcp.init_group(device, timeout=timedelta(seconds=max(600.0, args.collective_timeout)))
 
 
 def _follower(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
@@ -428,7 +430,11 @@ def follow(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = _build_engine(args, _join(args))
     try:
-        engine.follow()
+        # The first request is rank 0's warm-up; past it, a silent rank 0 is a failure.
+        while not engine.stopped:
+            engine.step()
+            if engine.plan_timeout is None and engine.stats["finished"]:
+                engine.plan_timeout = args.collective_timeout
     except BaseException as error:
         print(f"dcp-compile serve: rank {engine.group.rank} stopped: {type(error).__name__}: {error}", file=sys.stderr,
               flush=True)
@@ -466,6 +472,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"dcp-compile serve: {args.model!r}, DCP group of {group.size} on {group.device.type}, max_batch "
           f"{args.max_batch}, max_seq_len {args.max_seq_len}, k={args.k}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine)
+    engine.plan_timeout = args.collective_timeout
     worker = EngineThread(engine, step_timeout=args.step_timeout)
     config = uvicorn.Config(build_app(worker, args.model), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.drain_seconds)
@@ -511,7 +518,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lowering", choices=("inductor", "aot_eager"), help="default: inductor on CUDA, aot_eager on CPU")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: how long running requests may finish")
-    parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a hung rank fails a step")
+    parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds a rank waits for the next step's plan before failing")
     parser.add_argument("--step-timeout", type=float, default=120.0, help="seconds before a stuck step ends the server")
 
 

@@ -23,11 +23,9 @@ MAX_BATCH, MAX_SEQ_LEN, K = 4, 384, 4
 START_SECONDS = 300
 
 
-def start_server(port: int, log: Path) -> subprocess.Popen:
-    from dcp_compile.runtime.launch import free_port  # noqa: F401  (the port comes from the caller)
-
+def start_server(port: int, log: Path, *options: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--dcp", "2", "--port", str(port), "--max-batch",
-               str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--k", str(K), "--drain-seconds", "60"]
+               str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--k", str(K), "--drain-seconds", "60", *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
@@ -252,5 +250,29 @@ def test_a_killed_follower_ends_the_server_with_an_error(tmp_path):
         assert process.wait(timeout=60) == 1
         assert "the engine stopped" in (tmp_path / "server.log").read_text()
     finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="finds the follower rank through /proc")
+def test_a_hung_follower_ends_the_server_within_the_collective_timeout(tmp_path):
+    from dcp_compile.runtime.launch import free_port
+
+    port = free_port()
+    process = start_server(port, tmp_path / "server.log", "--collective-timeout", "5")
+    followers = _children(process.pid)
+    try:
+        assert len(followers) == 1, followers
+        os.kill(followers[0], signal.SIGSTOP)  # idle: only the heartbeat notices
+        start = time.monotonic()
+        assert process.wait(timeout=60) == 1
+        assert time.monotonic() - start < 30
+        assert "the engine stopped" in (tmp_path / "server.log").read_text()
+    finally:
+        for pid in followers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if process.poll() is None:
             process.kill()

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,10 @@ class SpecEngine:
         self.requests: dict[int, _Request] = {}
         self.next_id = 0
         self.stopped = False
+        self.plan_timeout: float | None = None
+        """Leader mode: seconds a rank waits for a step's plan (and an idle step's round
+        trip) before the step fails; ``None``: the process group's timeout.  A server sets
+        it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
                           step_seconds=0.0)
 
@@ -210,16 +215,18 @@ class SpecEngine:
                 table[row, 8] = 1
             header[1] = len(prompt_tokens)
         header = header.to(self.device)
-        dist.broadcast(header, src=0, group=self.group.process_group)
+        pg = self.group.process_group
+        self._wait(dist.broadcast(header, src=0, group=pg, async_op=True))
         if plan is not None:
             if prompt_tokens:
-                dist.broadcast(torch.tensor(prompt_tokens, device=self.device), src=0, group=self.group.process_group)
+                self._wait(dist.broadcast(torch.tensor(prompt_tokens, device=self.device), src=0, group=pg,
+                                          async_op=True))
             return plan
         header = header.tolist()
         plan = _Plan(stop=bool(header[0]))
         tokens = torch.empty(header[1], dtype=torch.long, device=self.device)
         if header[1]:
-            dist.broadcast(tokens, src=0, group=self.group.process_group)
+            self._wait(dist.broadcast(tokens, src=0, group=pg, async_op=True))
         tokens = tokens.tolist()
         for row in range(self.B):
             admit, rid, length, max_new, temperature, has_seed, seed, eos, abort = header[2 + row * _FIELDS:][:_FIELDS]
@@ -233,6 +240,12 @@ class SpecEngine:
                 self.requests[rid] = request
                 plan.admits.append(request)
         return plan
+
+    def _wait(self, work) -> None:
+        if self.plan_timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=self.plan_timeout))
 
     def _emit(self, request: _Request, fresh: list[int], event: StepEvent) -> None:
         fresh = fresh[: request.params.max_new_tokens - len(request.tokens)]
@@ -268,6 +281,11 @@ class SpecEngine:
         if plan.stop:
             self.stopped = True
             return events
+        if self.leader and not plan.admits and not plan.aborts and not any(self._live()):
+            # An idle step is a round trip, so a rank that hangs fails it within the
+            # group's timeout (a broadcast alone can complete into a socket buffer).
+            self._wait(dist.all_reduce(torch.ones(1, device=self.device), group=self.group.process_group,
+                                       async_op=True))
         for request in self.aborted_waiting:
             events[request.id] = StepEvent(finished_by="aborted")
             self.requests.pop(request.id, None)
