@@ -41,3 +41,14 @@ def leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # NCCL teardown at exit has been seen to hang on the GPU machines
+
+
+def randomize(model):
+    """Random weights of an 8B model's scale on the model's own device (norms stay at one)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(std=0.02)
+    return model

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
-from _report import leave, parse_with_watchdog, report
+from _report import leave, parse_with_watchdog, randomize, report
 
 
 def target_config(small: bool, layers: int = 32) -> tuple[LlamaConfig, torch.device]:
@@ -57,15 +57,6 @@ def target_config(small: bool, layers: int = 32) -> tuple[LlamaConfig, torch.dev
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def randomize(model: torch.nn.Module) -> torch.nn.Module:
-    """Random weights of an 8B model's scale on its own device (norms stay at one)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(std=0.02)
-    return model
 
 
 def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:

@@ -32,7 +32,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
-from _report import leave, parse_with_watchdog, report
+from _report import leave, parse_with_watchdog, randomize, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128,
                     aux_layers=(1, 2, 3))
@@ -40,14 +40,6 @@ SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def randomize(model: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(std=0.02)
-    return model
 
 
 def sync(device) -> None:
