@@ -7,8 +7,9 @@ Result: a ``Plan``: the typed facts every later pass consumes, so nothing re-dis
 what this pass found.
 - A *KV cache* is a graph input written in place along a sequence axis by
   ``index_copy_``, ``index_put_`` or ``__setitem__`` with a tensor of positions.
-- An *attention site* is an ``F.scaled_dot_product_attention`` call whose keys and
-  values are caches, read directly or through a GQA replication (``enable_gqa``,
+- An *attention site* is an ``F.scaled_dot_product_attention`` call, or attention
+  written by hand (``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v``), whose keys
+  and values are caches, read directly or through a GQA replication (``enable_gqa``,
   ``repeat_interleave`` or ``expand`` + ``reshape``) and layout-only views.
 
 Each site also carries a ``MaskProof`` (``causal_mask``): whether its mask is the
@@ -146,10 +147,12 @@ def _dim(d: int, ndim: int) -> int:
     return d % ndim
 
 
-def _replay_read(chain: list[Node], cache: KVCache) -> int:
+def _replay_read(chain: list[Node], cache: KVCache, expected: tuple[str, ...] = ("B", "H", "S", "D")) -> int:
     """Follow the ops from the cache to an attention argument, tracking what each axis
     holds; return the head replication factor.  Raises if the result is not a
-    ``[B, H*r, S, D]`` read where query head ``h`` sees cache head ``h // r``."""
+    ``[B, H*r, S, D]`` read (``expected``: ``[B, H*r, D, S]`` for the keys of a
+    hand-written ``q @ k.transpose(-2, -1)``) where query head ``h`` sees cache head
+    ``h // r``."""
     tags = ["B", "H", "H", "D"]
     tags[cache.seq_dim] = "S"
     repeat = 1
@@ -162,10 +165,11 @@ def _replay_read(chain: list[Node], cache: KVCache) -> int:
         repeat *= factor
         if len(tags) != len(shape_of(node)):
             raise fail
-    if tags != ["B", "H", "S", "D"]:
+    if tags != list(expected):
+        axes = {"S": "seq", "D": "head_dim", "B": "batch", "H": "heads"}
         raise GraphPatternError(
             f"target attention reads KV cache {cache.name} as axes {tags} (ending at {where(chain[-1]) if chain else cache.name}); "
-            f"expected [batch, heads, seq, head_dim] with heads replicated by repeat_interleave or expand"
+            f"expected [{', '.join(axes[t] for t in expected)}] with heads replicated by repeat_interleave or expand"
         )
     return repeat
 
@@ -269,42 +273,150 @@ def _collect_writes(gm: GraphModule, input_index: dict[Node, int]) -> dict[Node,
     return writes
 
 
+def _make_site(node: Node, query: Node, k_read, v_read, writes: dict[Node, KVWrite], scale: float, mask,
+               is_causal: bool, k_expected=("B", "H", "S", "D")) -> AttentionSite:
+    """The site at ``node`` (the attention's output) once both reads are checked."""
+    (k_cache, k_chain), (v_cache, v_chain) = k_read, v_read
+    _replay_read(k_chain, k_cache, k_expected)
+    _replay_read(v_chain, v_cache)
+    if k_cache.node is v_cache.node:
+        raise GraphPatternError(f"attention at {where(node)} reads one cache ({k_cache.name}) as both keys and values")
+    k_write, v_write = writes[k_cache.node], writes[v_cache.node]
+    if k_write.positions is not v_write.positions:
+        raise GraphPatternError(
+            f"attention at {where(node)} reads caches written at different position tensors "
+            f"({where(k_write.node)} and {where(v_write.node)}); expected one positions tensor per layer"
+        )
+    proof = prove_causal(node, mask, is_causal, k_write.positions, k_write.index.position_tags)
+    return AttentionSite(node, query, k_write, v_write, scale, proof)
+
+
+def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite]):
+    """An ``F.scaled_dot_product_attention`` over two caches, or None if it reads none."""
+    q, k, v = node.args[:3]
+    reads = [_read_chain(operand, caches) for operand in (k, v)]
+    if any(r is None for r in reads):
+        return None  # not over two caches: either no cache at all, or caught as an unexplained read
+    if arg(node, 4, "dropout_p", 0.0):
+        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
+    scale = arg(node, 6, "scale", None)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
+    site = _make_site(node, q, *reads, writes, scale, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False))
+    return site, [*reads[0][1], *reads[1][1], node]
+
+
+_MATMULS = frozenset({"matmul", "bmm", "__matmul__"})
+_PROB_CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "type", "contiguous"})
+
+
+def _fill_is_minus_infinity(value) -> bool:
+    return isinstance(value, (int, float)) and (value == -math.inf or value <= torch.finfo(torch.float32).min)
+
+
+def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite]):
+    """Attention written by hand over two caches: ``softmax(q @ k.transpose(-2, -1) *
+    scale + mask) @ v`` (nanoGPT, Hugging Face eager, reference code), with the scale a
+    constant factor or divisor anywhere on the scores, the mask added (``where(allowed,
+    0, -inf)``) or filled (``masked_fill(~allowed, -inf)``), and casts around the
+    softmax.  ``node`` is the product with the values; None if it is not one over a cache."""
+    if op_name(node) not in _MATMULS or len(node.args) != 2:
+        return None
+    v_read = _read_chain(node.args[1], caches)
+    if v_read is None:
+        return None
+    steps = [node]
+    probs = node.args[0]
+    while isinstance(probs, Node) and op_name(probs) in _PROB_CASTS:
+        steps.append(probs)
+        probs = probs.args[0]
+    if not isinstance(probs, Node) or op_name(probs) != "softmax":
+        return None  # not attention's value product; a cache read left unexplained is refused later
+    dim = arg(probs, 1, "dim")
+    ndim = len(shape_of(probs))
+    if dim is None or int(dim) % ndim != ndim - 1:
+        raise GraphPatternError(f"the softmax at {where(probs)} runs over axis {dim}, not over the keys (the last axis)")
+    steps.append(probs)
+    scores, scale, mask = probs.args[0], 1.0, None
+    while True:
+        name = op_name(scores) if isinstance(scores, Node) else None
+        if name in _PROB_CASTS:
+            steps.append(scores)
+            scores = scores.args[0]
+        elif name in ("mul", "truediv", "div") and isinstance(scores.args[1], (int, float)):
+            steps.append(scores)
+            scale = scale * scores.args[1] if name == "mul" else scale / scores.args[1]
+            scores = scores.args[0]
+        elif name == "mul" and isinstance(scores.args[0], (int, float)):
+            steps.append(scores)
+            scale, scores = scale * scores.args[0], scores.args[1]
+        elif name in ("add", "masked_fill") and mask is None:
+            if name == "add":
+                score_side = next((a for a in scores.args[:2] if isinstance(a, Node) and _reaches_cache(a, caches)), None)
+                mask = next((a for a in scores.args[:2] if a is not score_side), None)
+            else:
+                condition, fill = scores.args[1], arg(scores, 2, "value")
+                inverted = isinstance(condition, Node) and op_name(condition) in ("invert", "logical_not",
+                                                                                   "bitwise_not", "__invert__")
+                if not inverted or not _fill_is_minus_infinity(fill):
+                    raise GraphPatternError(
+                        f"the attention scores at {where(scores)} are masked by masked_fill({condition}, {fill!r}); "
+                        f"the passes read a fill as masked_fill(~allowed, -inf): write the mask that way, or add "
+                        f"torch.where(allowed, 0, -inf)"
+                    )
+                score_side, mask = scores.args[0], condition.args[0]
+            if score_side is None:
+                return None
+            steps.append(scores)
+            scores = score_side
+        else:
+            break
+    if op_name(scores) not in _MATMULS or len(scores.args) != 2:
+        raise GraphPatternError(
+            f"the softmax at {where(probs)} over values of KV cache {v_read[0].name} is taken of "
+            f"{op_name(scores) if isinstance(scores, Node) else scores!r} at {where(scores) if isinstance(scores, Node) else '?'}, "
+            f"not of q @ k.transpose(-2, -1) (times a constant, plus a mask)"
+        )
+    k_read = _read_chain(scores.args[1], caches)
+    if k_read is None:
+        raise GraphPatternError(
+            f"the scores at {where(scores)} are not taken against a KV cache's keys, but the softmax over them "
+            f"weighs the values of KV cache {v_read[0].name}"
+        )
+    steps.append(scores)
+    site = _make_site(node, scores.args[0], k_read, v_read, writes, scale, mask, False, ("B", "H", "D", "S"))
+    return site, [*k_read[1], *v_read[1], *steps]
+
+
+def _reaches_cache(node: Node, caches: dict[Node, KVCache]) -> bool:
+    """Whether ``node`` is computed from a cache's data."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in caches:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _collect_sites(gm: GraphModule, writes: dict[Node, KVWrite]) -> tuple[list[AttentionSite], set[Node]]:
-    """Every SDPA over two caches, with its mask proof; and the nodes those reads explain."""
+    """Every attention over two caches (SDPA, or written by hand), with its mask proof;
+    and the nodes those reads explain."""
     caches = {node: w.cache for node, w in writes.items()}
     sites: list[AttentionSite] = []
     explained: set[Node] = {w.node for w in writes.values()}
     for node in gm.graph.nodes:
-        if not is_sdpa(node):
-            continue
-        q, k, v = node.args[:3]
-        reads = [_read_chain(operand, caches) for operand in (k, v)]
-        if any(r is None for r in reads):
-            continue  # not over two caches: either no cache at all, or caught as an unexplained read
-        (k_cache, k_chain), (v_cache, v_chain) = reads
-        _replay_read(k_chain, k_cache)
-        _replay_read(v_chain, v_cache)
-        if k_cache.node is v_cache.node:
-            raise GraphPatternError(f"attention at {where(node)} reads one cache ({k_cache.name}) as both keys and values")
-        k_write, v_write = writes[k_cache.node], writes[v_cache.node]
-        if k_write.positions is not v_write.positions:
-            raise GraphPatternError(
-                f"attention at {where(node)} reads caches written at different position tensors "
-                f"({where(k_write.node)} and {where(v_write.node)}); expected one positions tensor per layer"
-            )
-        if arg(node, 4, "dropout_p", 0.0):
-            raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
-        scale = arg(node, 6, "scale", None)
-        scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
-        mask = prove_causal(
-            node, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False), k_write.positions, k_write.index.position_tags
-        )
-        sites.append(AttentionSite(node, q, k_write, v_write, scale, mask))
-        explained.update(k_chain, v_chain, (node,))
+        found = _sdpa_site(node, caches, writes) if is_sdpa(node) else _matmul_site(node, caches, writes)
+        if found is not None:
+            site, nodes = found
+            sites.append(site)
+            explained.update(nodes)
     return sites, explained
 
 
-def _check_reads(gm: GraphModule, caches, explained: set[Node]) -> None:
+def _check_reads(gm: GraphModule, caches, explained: set[Node], site_nodes: set[Node]) -> None:
     """Everything that consumes cache data must be a write, a recognised view chain, or
     a site (whose output is attention, no longer cache data)."""
     frontier, seen, unexplained = list(caches), set(caches), []
@@ -316,7 +428,7 @@ def _check_reads(gm: GraphModule, caches, explained: set[Node]) -> None:
             seen.add(user)
             if user not in explained:
                 unexplained.append(user)
-            elif not is_sdpa(user) and op_name(user) not in WRITE_KINDS:
+            elif user not in site_nodes and op_name(user) not in WRITE_KINDS:
                 frontier.append(user)
     if not unexplained:
         return
@@ -329,8 +441,8 @@ def _check_reads(gm: GraphModule, caches, explained: set[Node]) -> None:
         )
     raise GraphPatternError(
         f"a KV cache is read by {op_name(first) or first.op!r} at {where(first)}, which the passes cannot "
-        f"shard; read caches only through F.scaled_dot_product_attention, directly or through "
-        f"layout views and a GQA head replication"
+        f"shard; read caches only through F.scaled_dot_product_attention or softmax(q @ k.transpose(-2, -1) * "
+        f"scale + mask) @ v, directly or through layout views and a GQA head replication"
     )
 
 
@@ -339,7 +451,7 @@ def find(gm: GraphModule) -> Plan:
     input_index = {node: i for i, node in enumerate(_placeholders(gm))}
     writes = _collect_writes(gm, input_index)
     sites, explained = _collect_sites(gm, writes)
-    _check_reads(gm, list(writes), explained)
+    _check_reads(gm, list(writes), explained, {site.node for site in sites})
     mask_inputs = {input_index[t] for site in sites if site.mask.proven for t in site.mask.tables}
     position_inputs = {
         (input_index[source[0]], source[1])

@@ -1,5 +1,7 @@
 """Small attention modules in the idioms the passes must recognise (or refuse)."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,13 +109,75 @@ class CacheThenConcat(GptFastStyle):
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
 
-class MatmulOverCache(GptFastStyle):
-    """Hand-written attention over the cache: not SDPA, so it cannot be sharded."""
+class HandWrittenGptFast(GptFastStyle):
+    """nanoGPT-style attention by hand over gpt-fast's cache: a scaled matmul, the
+    causal-mask buffer as masked_fill(~mask, -inf), softmax in fp32, a matmul with V."""
 
     def forward(self, x, input_pos):
         q, _, _ = self.store(x, input_pos)
-        scores = q[:, :HKV] @ self.k_cache.transpose(-1, -2)  # MATMUL-READ
+        mask = self.causal_mask[None, None, input_pos]
+        keys = self.k_cache.repeat_interleave(HQ // HKV, dim=1)
+        values = self.v_cache.repeat_interleave(HQ // HKV, dim=1)
+        scores = q @ keys.transpose(-2, -1) / math.sqrt(D)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        return probs @ values  # HAND-WRITTEN
+
+
+class HandWrittenHFEager(IndexCopyStyle):
+    """Hugging Face's eager_attention_forward over a StaticCache: repeat_kv, matmul times
+    ``scaling``, an additive mask, softmax in fp32 cast back, matmul with the values."""
+
+    def forward(self, x, cache_position):
+        q, k, v = self.project(x)
+        self.keys.index_copy_(2, cache_position, k.transpose(1, 2))
+        self.values.index_copy_(2, cache_position, v.transpose(1, 2))
+        slen = self.keys.shape[2]
+        allowed = torch.arange(slen)[None, :] <= cache_position[:, None]
+        causal_mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
+        n_rep = HQ // HKV
+        key_states = self.keys[:, :, None, :, :].expand(B, HKV, n_rep, slen, D).reshape(B, HQ, slen, D)
+        value_states = self.values[:, :, None, :, :].expand(B, HKV, n_rep, slen, D).reshape(B, HQ, slen, D)
+        attn_weights = torch.matmul(q, key_states.transpose(2, 3)) * D**-0.5
+        attn_weights = attn_weights + causal_mask
+        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(attn_weights, value_states)
+
+
+class SoftmaxOverQueries(GptFastStyle):
+    """Hand-written attention whose softmax runs over the queries: not attention over keys."""
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        mask = self.causal_mask[None, None, input_pos]
+        scores = (q[:, :HKV] @ self.k_cache.transpose(-2, -1)).masked_fill(~mask, float("-inf"))
+        return scores.softmax(2) @ self.v_cache  # WRONG-AXIS
+
+
+class FilledWithoutInversion(GptFastStyle):
+    """masked_fill with the keep-mask itself: a fill the passes do not read."""
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        mask = self.causal_mask[None, None, input_pos]
+        scores = (q[:, :HKV] @ self.k_cache.transpose(-2, -1)).masked_fill(mask == 0, float("-inf"))  # FILL
         return scores.softmax(-1) @ self.v_cache
+
+
+class MatmulOverCache(GptFastStyle):
+    """Hand-written attention over the cache with no mask: found, but not provably causal."""
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        scores = q[:, :HKV] @ self.k_cache.transpose(-1, -2)
+        return scores.softmax(-1) @ self.v_cache  # UNMASKED-MATMUL
+
+
+class ScoresOverCache(GptFastStyle):
+    """Scores against the cached keys that never weigh the values: not attention."""
+
+    def forward(self, x, input_pos):
+        q, _, _ = self.store(x, input_pos)
+        return (q[:, :HKV] @ self.k_cache.transpose(-1, -2)).amax(-1)  # MATMUL-READ
 
 
 def inputs_for(module: nn.Module, tokens: int = 3):

@@ -64,7 +64,7 @@ def test_find_leaves_attention_over_in_graph_tensors_alone():
     "module_cls,marker,expected",
     [
         (graphs.CacheThenConcat, "UNCLASSIFIABLE-READ", "read by 'cat'"),
-        (graphs.MatmulOverCache, "MATMUL-READ", "cannot shard"),
+        (graphs.ScoresOverCache, "MATMUL-READ", "cannot shard"),
     ],
 )
 def test_unclassifiable_cache_read_names_the_source_line(module_cls, marker, expected):

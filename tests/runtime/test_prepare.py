@@ -25,7 +25,8 @@ def test_target_caches_shrink_and_draft_caches_stay_whole(size, max_seq_len):
         assert "did not go through a graph compiled by dcp.backend" in r["eager_error"]
 
 
-@pytest.mark.parametrize("module_name", ["GptFastStyle", "IndexCopyStyle", "IndexPutBSHD"])
+@pytest.mark.parametrize("module_name", ["GptFastStyle", "IndexCopyStyle", "IndexPutBSHD", "HandWrittenGptFast",
+                                         "HandWrittenHFEager"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_write_idioms_shard_and_match_unsharded(module_name, size):
     results = spawn_ranks(idiom_worker, size, module_name)
@@ -33,7 +34,7 @@ def test_write_idioms_shard_and_match_unsharded(module_name, size):
         for out, ref in zip(r["outs"], r["refs"]):
             torch.testing.assert_close(out, ref, **FP32_TOLERANCE)
     local = math.ceil(graphs.S / size) + 1
-    if module_name == "GptFastStyle":
+    if module_name in ("GptFastStyle", "HandWrittenGptFast"):
         assert results[0]["mask_buffers"] == ("causal_mask",)
         assert results[0]["buffers"]["causal_mask"] == (graphs.S, local)
     else:
