@@ -299,6 +299,9 @@ class _Interpreter:
     def _additive(self, node, out_shape):
         """``torch.where(allowed, 0, -inf)``: an additive float mask equal to a boolean one."""
         cond, keep, drop = (arg(node, i, n) for i, n in enumerate(("condition", "input", "other")))
+        # Hugging Face's eager mask keeps with a zero scalar tensor: torch.zeros((), dtype=...).
+        if isinstance(keep, Node) and op_name(keep) == "zeros" and tuple(fake_value(keep).shape) == ():
+            keep = 0
         if not (isinstance(keep, (int, float)) and keep == 0 and isinstance(drop, (int, float)) and drop <= -1e4):
             raise _Unsupported(node, "torch.where other than where(allowed, 0, -inf)")
         base = self.value(cond, node)

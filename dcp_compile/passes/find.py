@@ -310,15 +310,16 @@ _PROB_CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "type", "
 
 
 def _fill_is_minus_infinity(value) -> bool:
-    return isinstance(value, (int, float)) and (value == -math.inf or value <= torch.finfo(torch.float32).min)
+    # As the mask prover reads where(allowed, 0, other): any fill whose exp underflows to 0.
+    return isinstance(value, (int, float)) and value <= -1e4
 
 
 def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite]):
     """Attention written by hand over two caches: ``softmax(q @ k.transpose(-2, -1) *
     scale + mask) @ v`` (nanoGPT, Hugging Face eager, reference code), with the scale a
     constant factor or divisor anywhere on the scores, the mask added (``where(allowed,
-    0, -inf)``) or filled (``masked_fill(~allowed, -inf)``), and casts around the
-    softmax.  ``node`` is the product with the values; None if it is not one over a cache."""
+    0, -inf)``) or filled (``masked_fill(~allowed, -inf)``), and casts (and an inactive
+    dropout) around the softmax.  ``node`` is the product with the values; None if it is not one over a cache."""
     if op_name(node) not in _MATMULS or len(node.args) != 2:
         return None
     v_read = _read_chain(node.args[1], caches)
@@ -326,7 +327,9 @@ def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
         return None
     steps = [node]
     probs = node.args[0]
-    while isinstance(probs, Node) and op_name(probs) in _PROB_CASTS:
+    while isinstance(probs, Node) and (op_name(probs) in _PROB_CASTS or op_name(probs) == "dropout"):
+        if op_name(probs) == "dropout" and arg(probs, 1, "p", 0.5) and arg(probs, 2, "training", True):
+            raise GraphPatternError(f"attention at {where(probs)} uses dropout; dcp-compile compiles inference graphs")
         steps.append(probs)
         probs = probs.args[0]
     if not isinstance(probs, Node) or op_name(probs) != "softmax":

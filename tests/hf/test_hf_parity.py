@@ -47,3 +47,13 @@ def test_hf_parity(size):
 @pytest.mark.inductor
 def test_hf_parity_inductor():
     assert_parity(spawn_ranks(hf_parity_worker, 2, (("llama", False),), "inductor", 3, timeout=900), "llama")
+
+
+def test_hf_eager_attention_is_sharded():
+    """attn_implementation="eager": transformers' hand-written attention, not SDPA."""
+    from tests.hf.workers import hf_eager_worker
+
+    for r in spawn_ranks(hf_eager_worker, 2, STEPS, timeout=600):
+        assert torch.equal(r["tokens"], r["reference_tokens"])
+        torch.testing.assert_close(r["logits"], r["reference_logits"], **FP32_TOLERANCE)
+        assert r["collectives"] == [4, 4], "prefill and decode graphs: all-gather + wait per layer"

@@ -376,3 +376,25 @@ def hf_generate_worker(rank, size, eos_token):
         after_refusals = generate(7, max_new_tokens=8, pad_token_id=0, do_sample=False)
     return dict(runs=runs, after_refusals=after_refusals, errors=errors, untouched=untouched,
                 collectives=backend.collective_counts, local_cache=tuple(cache.store.k_0.shape))
+
+
+def hf_eager_worker(rank, size, steps):
+    """An HF Llama with attn_implementation="eager" (its attention written by hand:
+    repeat_kv, matmul, additive mask, softmax, dropout, matmul) in the user's own
+    StaticCache loop, sharded, against itself on transformers' StaticCache."""
+    from transformers import StaticCache
+
+    from dcp_compile.hf import DCPStaticCache, cache_kwarg
+
+    group = dcp.init_group("cpu")
+    model = make_hf_model("llama", attn_implementation="eager")
+    kwarg = cache_kwarg(model)
+    prompt = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    backend = dcp.backend(group, lowering="aot_eager")
+    model_c = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    cache = DCPStaticCache(model.config, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    with torch.no_grad():
+        ref_tokens, ref_logits = own_loop(model, prompt, steps, {kwarg: StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)})
+        tokens, logits = own_loop(model_c, prompt, steps, {kwarg: cache})
+    return dict(tokens=tokens, reference_tokens=ref_tokens, logits=logits, reference_logits=ref_logits,
+                collectives=backend.collective_counts)
