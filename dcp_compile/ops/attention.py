@@ -64,7 +64,7 @@ def attention_with_lse(
     # 0 * NaN would still poison the sum, so such values are zeroed, not just weighted 0.
     unseen = ~allowed_BTS.any(dim=-2)[:, None, :, None]
     out = torch.einsum("bkgts,bksd->bkgtd", probs, v_BHSD.float().masked_fill(unseen, 0.0))
-    return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    return out.reshape(B, Hq, T, v_BHSD.shape[-1]), lse.reshape(B, Hq, T)
 
 
 def blocked_attention(
@@ -86,9 +86,9 @@ def blocked_attention(
     the result is the same attention.  ``key_limit`` skips key blocks at or past it
     (slots no query may see, such as those past every sequence's length).
     """
-    B, Hq, T, D = q_BHTD.shape
+    B, Hq, T, _ = q_BHTD.shape
     S = k_BHSD.shape[2] if key_limit is None else min(key_limit, k_BHSD.shape[2])
-    out = q_BHTD.new_zeros((B, Hq, T, D), dtype=torch.float32)
+    out = q_BHTD.new_zeros((B, Hq, T, v_BHSD.shape[-1]), dtype=torch.float32)
     lse = q_BHTD.new_full((B, Hq, T), float("-inf"), dtype=torch.float32)
     for t0 in range(0, T, query_block):
         rows = slice(t0, min(t0 + query_block, T))
@@ -112,11 +112,10 @@ def _fold(out, lse, part, part_lse):
     return w_old * out + w_new * part, torch.where(seen, new_lse, float("-inf"))
 
 
-@torch.library.custom_op("dcp::prefix_attention", mutates_args=())
-def prefix_attention(
+def prefix_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q [B,Hq,T,D]`` over cache slots ``[0, kv_len[b])`` of ``[B,Hkv,S,D]``."""
+    """``prefix_attention`` in plain torch, on any device."""
     slots = torch.arange(k_cache.shape[2], device=k_cache.device)
     key_limit = int(kv_len.max()) if kv_len.numel() else 0
 
@@ -126,10 +125,30 @@ def prefix_attention(
     return blocked_attention(q, k_cache, v_cache, allowed, scale, key_limit=key_limit)
 
 
+@torch.library.custom_op("dcp::prefix_attention", mutates_args=())
+def prefix_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B,Hq,T,D]`` over cache slots ``[0, kv_len[b])`` of keys
+    ``[B,Hkv,S,D]`` and values ``[B,Hkv,S,Dv]`` (``Dv`` may differ from ``D``, as in MLA)."""
+    return prefix_attention_reference(q, k_cache, v_cache, kv_len, scale)
+
+
 @prefix_attention.register_fake
 def _prefix_attention_fake(q, k_cache, v_cache, kv_len, scale):
-    B, H, T, D = q.shape
-    return q.new_empty((B, H, T, D), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+    B, H, T, _ = q.shape
+    return q.new_empty((B, H, T, v_cache.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def window_attention_reference(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``window_attention`` in plain torch, on any device."""
+
+    def allowed(rows: slice, keys: slice) -> torch.Tensor:
+        return positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+
+    return blocked_attention(q, k_new, v_new, allowed, scale)
 
 
 @torch.library.custom_op("dcp::window_attention", mutates_args=())
@@ -138,14 +157,10 @@ def window_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the ``T`` new queries over the ``T`` new keys, causal by global
     position: query ``t`` sees key ``s`` where ``positions[b, s] <= positions[b, t]``."""
-
-    def allowed(rows: slice, keys: slice) -> torch.Tensor:
-        return positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
-
-    return blocked_attention(q, k_new, v_new, allowed, scale)
+    return window_attention_reference(q, k_new, v_new, positions, scale)
 
 
 @window_attention.register_fake
 def _window_attention_fake(q, k_new, v_new, positions, scale):
-    B, H, T, D = q.shape
-    return q.new_empty((B, H, T, D), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+    B, H, T, _ = q.shape
+    return q.new_empty((B, H, T, v_new.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)

@@ -29,6 +29,9 @@ def _tagged_as(x: torch.Tensor, shape, tags, order: str, batch: int) -> torch.Te
     keep = [i for i, t in enumerate(tags) if t != "1"]
     x = x.reshape([shape[i] for i in keep])
     kept = [tags[i] for i in keep]
+    if "H" in order and "H" not in kept:  # a cache with no head axis (MLA's latent): one head
+        x = x.unsqueeze(-1)
+        kept.append("H")
     if "T" not in kept:
         x = x.unsqueeze(-1)
         kept.append("T")
@@ -49,8 +52,23 @@ def window_kv(value: torch.Tensor, *, shape, tags, batch: int, dtype: torch.dtyp
 
 
 def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
-    """View a cache buffer as ``[B, H, S, D]``."""
+    """View a cache buffer as ``[B, H, S, D]``; a ``[B, S, D]`` cache (MLA's latent and
+    rope key) as one head."""
+    if cache.dim() == 3:
+        return cache.unsqueeze(1)
     return cache if seq_dim == 2 else cache.transpose(1, 2)
+
+
+def latent_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, perm: tuple[int, ...]) -> torch.Tensor:
+    """MLA's two query parts as one ``[B, H, T, C + R]`` query (``perm`` brings the
+    user's axis order to ``[B, H, T, .]``): ``q_lat . c + q_pe . k_pe`` is one dot product
+    with the latent and rope key side by side."""
+    return torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1).permute(perm)
+
+
+def latent_keys(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, C]`` and ``[B, 1, S, R]`` -> the keys ``[B, 1, S, C + R]``."""
+    return torch.cat([latent, rope.to(latent.dtype)], dim=-1)
 
 
 def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
-from dcp_compile.ops.attention import window_attention
+from dcp_compile.ops.attention import window_attention, window_attention_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -305,9 +305,13 @@ def window_flash_triton(
     return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
 
 
+def _window_form(k_new, v_new):
+    return window_flash_triton if k_new.shape[-1] == v_new.shape[-1] else window_attention_reference
+
+
 @window_attention.register_kernel("cuda")
 def _window_attention_cuda(q, k_new, v_new, positions, scale):
-    return window_flash_triton(q, k_new, v_new, positions, scale)
+    return _window_form(k_new, v_new)(q, k_new, v_new, positions, scale)
 
 
 @window_attention.register_torch_dispatch(FunctionalTensorMode)
@@ -316,4 +320,5 @@ def _window_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda":
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return window_flash_triton(*args, **kwargs)
+        k_new, v_new = (args[1], args[2]) if len(args) > 2 else (kwargs["k_new"], kwargs["v_new"])
+        return _window_form(k_new, v_new)(*args, **kwargs)

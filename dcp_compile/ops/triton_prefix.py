@@ -62,7 +62,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
-from dcp_compile.ops.attention import prefix_attention
+from dcp_compile.ops.attention import prefix_attention, prefix_attention_reference
 from dcp_compile.ops.triton_flash import check_inputs, prefix_flash_triton  # imports nothing of this module: no cycle
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -281,9 +281,15 @@ def _kernel_for(q: torch.Tensor):
     return prefix_attention_triton if q.shape[2] <= SPLIT_KV_MAX_TOKENS else prefix_flash_triton
 
 
+def _cuda_form(q, k_cache, v_cache):
+    """The Triton kernels take keys and values of one width; MLA's latent form (keys
+    576 wide, values 512) runs the reference until its own kernel lands."""
+    return _kernel_for(q) if k_cache.shape[-1] == v_cache.shape[-1] else prefix_attention_reference
+
+
 @prefix_attention.register_kernel("cuda")
 def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale):
-    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale)
+    return _cuda_form(q, k_cache, v_cache)(q, k_cache, v_cache, kv_len, scale)
 
 
 @prefix_attention.register_torch_dispatch(FunctionalTensorMode)
@@ -292,4 +298,5 @@ def _prefix_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda":
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return _kernel_for(q)(*args, **kwargs)
+        k_cache, v_cache = (args[1], args[2]) if len(args) > 2 else (kwargs["k_cache"], kwargs["v_cache"])
+        return _cuda_form(q, k_cache, v_cache)(*args, **kwargs)

@@ -438,12 +438,15 @@ def _canonical(form: Mapping, names) -> dict:
     return {rename(t): c for t, c in form.items()}
 
 
-def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tuple[str, ...]) -> MaskProof:
+def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tuple[str, ...],
+                 score_axes: str = _MASK_AXES) -> MaskProof:
     """Whether the attention ``site`` with ``attn_mask=mask`` lets new token ``t`` of
     sequence ``b`` see exactly the cache slots ``s <= positions[b, t]``.
 
     ``positions`` is the node the layer's KV write stores at, broadcast along
-    ``position_tags`` (``B``, ``T`` or ``1`` per axis, as ``kv_index.analyse_write`` found)."""
+    ``position_tags`` (``B``, ``T`` or ``1`` per axis, as ``kv_index.analyse_write`` found).
+    ``score_axes``: what the axes of the scores the mask is broadcast against hold
+    (``"bhts"`` for SDPA; ``"bths"`` for scores laid out tokens before heads)."""
     where_site = where(site)
     if mask is None:
         if is_causal:
@@ -467,7 +470,7 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
         return MaskProof(failure=f"the attention mask at {where_site} could not be analysed: {e}")
     if not isinstance(value, _Bool) or not isinstance(write, _Int) or len(value.shape) > 4:
         return MaskProof(failure=f"the attention mask at {where_site} is not a boolean (or where(allowed, 0, -inf)) mask")
-    mask_names = _MASK_AXES[4 - len(value.shape):]
+    mask_names = score_axes[4 - len(value.shape):]
     offset = len(position_tags) - len(write.shape)
     write_names = [_TAG_NAMES.get(position_tags[offset + k]) for k in range(len(write.shape))]
     if any(n is None for t in write.form for n in ([write_names[t[1]]] if t[0] == "ax" else [])):

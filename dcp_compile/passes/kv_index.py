@@ -2,7 +2,8 @@
 
 A KV cache is a 4-D buffer with the batch first, the head size last, and the heads and
 the sequence in the middle (``[B, H, S, D]`` as in gpt-fast and Hugging Face, or
-``[B, S, H, D]``).  A write stores the new tokens' keys or values at their global
+``[B, S, H, D]``), or a 3-D ``[B, S, width]`` buffer with no head axis (MLA's latent and
+rope-key caches).  A write stores the new tokens' keys or values at their global
 positions, through ``index_copy_(seq_dim, pos, src)``, ``cache[..., pos, ...] = src`` or
 ``index_put_((batch_idx, pos), src)``, optionally with a ``torch.arange`` batch index so
 that every sequence has its own positions.
@@ -106,10 +107,11 @@ def _write_entries(node: Node, ndim: int) -> list:
 def analyse_write(node: Node, cache: Node) -> WriteIndex:
     """Describe the KV write ``node`` into the cache placeholder ``cache``."""
     cache_shape = shape_of(cache)
-    if len(cache_shape) != 4:
+    if len(cache_shape) not in (3, 4):
         raise GraphPatternError(
             f"KV cache {cache.name} written at {where(node)} has shape {cache_shape}; expected a 4-D "
-            f"[batch, heads, seq, head_dim] or [batch, seq, heads, head_dim] buffer"
+            f"[batch, heads, seq, head_dim] or [batch, seq, heads, head_dim] buffer, or a 3-D [batch, seq, width] "
+            f"one (MLA's latent cache)"
         )
     cache_dtype = cache.meta["example_value"].dtype
     if op_name(node) == "index_copy_":
@@ -119,11 +121,13 @@ def analyse_write(node: Node, cache: Node) -> WriteIndex:
 
 def _index_copy_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.dtype) -> WriteIndex:
     """``cache.index_copy_(seq_dim, positions [T], value)``: every row at the same positions."""
-    seq_dim = int(arg(node, 1, "dim")) % 4
-    if seq_dim not in (1, 2):
-        raise GraphPatternError(f"index_copy_ at {where(node)} writes along dim {seq_dim}; expected dim 1 or 2")
+    ndim = len(cache_shape)
+    seq_dim = int(arg(node, 1, "dim")) % ndim
+    allowed = (1, 2) if ndim == 4 else (1,)
+    if seq_dim not in allowed:
+        raise GraphPatternError(f"index_copy_ at {where(node)} writes along dim {seq_dim}; expected dim {' or '.join(map(str, allowed))}")
     tokens = shape_of(arg(node, 2, "index"))[0]
-    tags = ["B", "H", "H", "D"]
+    tags = ["B", "H", "H", "D"] if ndim == 4 else ["B", "T", "D"]
     tags[seq_dim] = "T"
     value_shape = list(cache_shape)
     value_shape[seq_dim] = tokens
@@ -147,9 +151,9 @@ def _position_tags(index_shapes: dict[int, tuple[int, ...]], bshape, seq_dim: in
 def _indexed_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.dtype) -> WriteIndex:
     """``cache[..., positions, ...] = value`` or ``index_put_``, with numpy's advanced-indexing
     rules deciding where the index axes land in the written value."""
-    batch = cache_shape[0]
-    entries = _write_entries(node, 4)
-    if entries[3] is not None:
+    batch, ndim = cache_shape[0], len(cache_shape)
+    entries = _write_entries(node, ndim)
+    if entries[-1] is not None:
         raise GraphPatternError(f"KV write at {where(node)} indexes the head-size axis; expected a full slice there")
     indexed = [d for d, e in enumerate(entries) if e is not None]
     batch_indexed = entries[0] is not None
@@ -159,10 +163,10 @@ def _indexed_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.
             f"torch.arange({batch}) (every row writes its own sequence)"
         )
     seq_dims = [d for d in indexed if d != 0]
-    if len(seq_dims) != 1 or seq_dims[0] not in (1, 2):
+    if len(seq_dims) != 1 or seq_dims[0] not in (1, 2)[: ndim - 2]:
         raise GraphPatternError(
             f"KV write at {where(node)} indexes cache axes {indexed}; expected one position index on "
-            f"axis 1 or 2, plus optionally torch.arange over the batch on axis 0"
+            f"axis {'1 or 2' if ndim == 4 else '1'}, plus optionally torch.arange over the batch on axis 0"
         )
     seq_dim = seq_dims[0]
     index_shapes = {d: shape_of(entries[d]) for d in indexed}
@@ -173,15 +177,15 @@ def _indexed_write(node: Node, cache_shape: tuple[int, ...], cache_dtype: torch.
             f"KV write at {where(node)} uses index shapes {list(index_shapes.values())}; expected "
             f"positions of shape [T] or [B, T] and a batch index broadcasting along one axis"
         )
-    cache_tags = {0: "B", 3: "D", seq_dim: "S", 3 - seq_dim: "H"}
+    cache_tags = {0: "B", 3: "D", seq_dim: "S", 3 - seq_dim: "H"} if ndim == 4 else {0: "B", 1: "S", 2: "D"}
     if indexed == list(range(indexed[0], indexed[-1] + 1)):
         # Adjacent index axes: the broadcast index shape takes their place.
         value_tags = [cache_tags[d] for d in range(indexed[0])] + position_tags
-        value_tags += [cache_tags[d] for d in range(indexed[-1] + 1, 4)]
+        value_tags += [cache_tags[d] for d in range(indexed[-1] + 1, ndim)]
         value_shape = list(cache_shape[: indexed[0]]) + list(bshape) + list(cache_shape[indexed[-1] + 1 :])
     else:
         # Separated index axes: the broadcast index shape goes first.
-        rest = [d for d in range(4) if d not in indexed]
+        rest = [d for d in range(ndim) if d not in indexed]
         value_tags = position_tags + [cache_tags[d] for d in rest]
         value_shape = list(bshape) + [cache_shape[d] for d in rest]
     slot = entries.index(entries[seq_dim])

@@ -37,8 +37,8 @@ import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    cache_BHSD, join_heads, merge_exchanged, merge_gathered, pack_partial, prefix_allowed, prefix_lengths, split_heads,
-    window_allowed, window_kv, window_positions,
+    cache_BHSD, join_heads, latent_keys, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
+    prefix_lengths, split_heads, window_allowed, window_kv, window_positions,
 )
 from dcp_compile.passes.find import AttentionSite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
@@ -69,23 +69,37 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             (k_write.positions,),
             dict(shape=k_write.index.position_shape, tags=k_write.index.position_tags, batch=batch),
         )
-        new_kv = [
-            graph.call_function(
+        def new_tokens(w):
+            return graph.call_function(
                 window_kv,
                 (w.value,),
                 dict(shape=w.index.value_shape, tags=w.index.value_tags, batch=batch, dtype=w.index.cache_dtype),
             )
-            for w in (k_write, v_write)
-        ]
-        caches = [graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim)) for w in (k_write, v_write)]
+
+        def cache_view(w):
+            return graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim))
+
+        latent = site.latent
+        if latent is None:
+            query = site.query
+            new_kv = [new_tokens(w) for w in (k_write, v_write)]
+            caches = [cache_view(w) for w in (k_write, v_write)]
+        else:
+            # MLA: one key head [latent | rope key], the latent as the values.
+            query = graph.call_function(latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
+            new_latent, latent_cache = new_tokens(k_write), cache_view(k_write)
+            new_kv = [graph.call_function(latent_keys, (new_latent, new_tokens(latent.rope_write))), new_latent]
+            caches = [graph.call_function(latent_keys, (latent_cache, cache_view(latent.rope_write))), latent_cache]
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
         key_masks = site.mask.key_masks
+        if key_masks and latent is not None:
+            raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
         if key_masks:
             slots = fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
             allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks), dict(sharding, slots=slots))
-            prefix = graph.call_function(attention_with_lse, (site.query, caches[0], caches[1], allowed, site.scale))
+            prefix = graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
         else:
-            prefix = graph.call_function(PREFIX_ATTENTION, (site.query, caches[0], caches[1], kv_len, site.scale))
+            prefix = graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
         packed = graph.call_function(
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
@@ -93,9 +107,9 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         # it can run while the partials are in flight.
         def window_attention():
             if not key_masks:
-                return graph.call_function(WINDOW_ATTENTION, (site.query, new_kv[0], new_kv[1], positions, site.scale))
+                return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
             allowed = graph.call_function(window_allowed, (positions, *key_masks))
-            return graph.call_function(attention_with_lse, (site.query, new_kv[0], new_kv[1], allowed, site.scale))
+            return graph.call_function(attention_with_lse, (query, new_kv[0], new_kv[1], allowed, site.scale))
 
         if layout.size == 1:
             # A group of one (the single-GPU cascade): its own prefix is all there is.
@@ -123,6 +137,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             gathered = graph.call_function(WAIT, (graph.call_function(ALL_GATHER, (merged, layout.size, group_name)),))
             out = graph.call_function(join_heads, (gathered,), dict(size=layout.size))
             comm_nodes = [send, exchanged, merged, gathered]
+        if latent is not None:
+            out = graph.call_function(torch.permute, (out, latent.out_perm))
     for node in (positions, *new_kv, *caches, kv_len, prefix, packed, window, out, *comm_nodes):
         node.meta["stack_trace"] = site.node.meta.get("stack_trace")
     site.node.replace_all_uses_with(out)
@@ -139,7 +155,7 @@ def shard_attention(
     for site in plan.sites:
         if not site.mask.proven:
             raise GraphPatternError(site.mask.failure)
-        heads = fake_value(site.query).shape[1]
+        heads = fake_value(site.query).shape[site.latent.query_perm[1] if site.latent else 1]
         if comm == "a2a" and layout.size > 1 and heads % layout.size:
             raise ValueError(
                 f"comm='a2a' splits the {heads} query heads of the attention at {where(site.node)} over {layout.size} "

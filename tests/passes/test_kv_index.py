@@ -12,15 +12,15 @@ from tests.passes import graphs
 from tests.passes.graphs import B, D, HKV, S
 
 
-class FlatCache(graphs.Projections):
-    """A ``[B, S, H*D]`` cache: heads and head size folded into one axis."""
+class FiveAxisCache(graphs.Projections):
+    """A ``[B, H, S, 1, D]`` cache: neither the 4-D nor the 3-D (latent) layout."""
 
     def __init__(self):
-        super().__init__(cache_shape=(B, S, HKV * D))
+        super().__init__(cache_shape=(B, HKV, S, 1, D))
 
     def forward(self, x, positions):
         _, k, _ = self.project(x)
-        self.k_cache.index_copy_(1, positions, k.flatten(2))
+        self.k_cache.index_copy_(2, positions, k.transpose(1, 2).unsqueeze(3))
 
 
 class SequenceFirst(graphs.Projections):
@@ -78,7 +78,7 @@ class PerHeadIndex(graphs.Projections):
 
 
 REFUSED = [
-    (FlatCache, r"has shape \(2, 16, 16\); expected a 4-D \[batch, heads, seq, head_dim\]"),
+    (FiveAxisCache, r"has shape \(2, 2, 16, 1, 8\); expected a 4-D \[batch, heads, seq, head_dim\]"),
     (SequenceFirst, r"index_copy_ at .* writes along dim 0; expected dim 1 or 2"),
     (Accumulating, r"KV write with accumulate=True at .* is not a cache store"),
     (TransposedKeys, r"indexes the head-size axis; expected a full slice there"),
