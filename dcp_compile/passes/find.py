@@ -589,8 +589,9 @@ def _check_reads(gm: GraphModule, caches, explained: set[Node], site_nodes: set[
         )
     raise GraphPatternError(
         f"a KV cache is read by {op_name(first) or first.op!r} at {where(first)}, which the passes cannot "
-        f"shard; read caches only through F.scaled_dot_product_attention or softmax(q @ k.transpose(-2, -1) * "
-        f"scale + mask) @ v, directly or through layout views and a GQA head replication"
+        f"shard; read caches only through F.scaled_dot_product_attention, softmax(q @ k.transpose(-2, -1) * "
+        f"scale + mask) @ v, or MLA's absorbed einsum form, directly or through layout views and a GQA head "
+        f"replication"
     )
 
 

@@ -7,7 +7,6 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models.llama import init_weights
 from dcp_compile.models.mla import MLAConfig, MLATransformer, deepseek_v2_lite_shape, deepseek_v3_attention_shape
-from dcp_compile.passes import GraphPatternError
 
 
 def model(cfg: MLAConfig, seed: int = 0) -> MLATransformer:
@@ -71,9 +70,23 @@ def test_logits_at_picks_each_rows_position():
     torch.testing.assert_close(picked[:, 0], full[torch.arange(3), at[:, 0]], rtol=1e-12, atol=1e-12)
 
 
-def test_dcp_refuses_the_latent_cache_with_the_line_that_writes_it():
+@pytest.mark.parametrize("size, interleave", [(1, 1), (2, 1), (2, 2), (3, 1)])
+def test_mla_target_shards_and_matches_itself_unsharded(size, interleave):
+    """Prefill (ragged, right-padded) and 20 decode steps at per-sequence positions."""
+    import math
+
+    from dcp_compile.runtime.launch import spawn_ranks
+    from tests.runtime.workers import mla_parity_worker
+    from tests.support import FP32_TOLERANCE
+
+    ranks = spawn_ranks(mla_parity_worker, size, interleave, 20, timeout=600)
+    for r in ranks:
+        for out, ref in zip(r["outs"], r["refs"]):
+            torch.testing.assert_close(out, ref, **FP32_TOLERANCE)
+    slots = 40 if size == 1 else math.ceil(40 / (interleave * size)) * interleave + 1
     cfg = MLAConfig()
-    with pytest.raises(GraphPatternError, match=r"kv_cache.*expected a 4-D") as error:
-        dcp.prepare(MLATransformer(cfg), dcp.init_group("cpu"), "target", max_batch=cfg.max_batch,
-                    max_seq_len=cfg.max_seq_len)
-    assert "mla.py:" in str(error.value)
+    assert ranks[0]["caches"] == {
+        f"layers.{i}.attention.{name}": (3, slots, width)
+        for i in range(cfg.n_layers) for name, width in (("kv_cache", cfg.kv_lora_rank), ("pe_cache", cfg.qk_rope_head_dim))
+    }
+    assert ranks[0]["collectives"] == [2 * cfg.n_layers if size > 1 else 0] * 2, "one all-gather + wait per layer"

@@ -391,3 +391,34 @@ def engine_leader_worker(rank, size, prompts, arrivals, abort_at):
                     ends[rid] = event.finished_by
     static = [o.tokens for o in decoder.generate(prompts, 12)]
     return dict(tokens=tokens, ends=ends, static=static)
+
+
+def mla_parity_worker(rank, size, interleave, decode_steps):
+    """The MLA reference target (absorbed latent attention, DeepSeek's decode form),
+    prepared and compiled on ``size`` ranks, against itself eager and unsharded: a
+    right-padded ragged prefill, then ``decode_steps`` steps at per-sequence positions."""
+    from dcp_compile.models.llama import init_weights
+    from dcp_compile.models.mla import MLAConfig, MLATransformer
+
+    group = dcp.init_group("cpu")
+    cfg = MLAConfig(max_seq_len=40, max_batch=3, q_lora_rank=12)
+    reference = init_weights(MLATransformer(cfg), 0, std=0.2).eval()
+    model = init_weights(MLATransformer(cfg), 0, std=0.2).eval()
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
+    backend = dcp.backend(group, lowering="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([4, 9, 13])
+    prompt = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 13), generator=gen)
+    positions = torch.arange(13).expand(cfg.max_batch, 13).contiguous()
+    outs, refs = [], []
+    with torch.no_grad():
+        outs.append(compiled(prompt, positions))
+        refs.append(reference(prompt, positions))
+        for step in range(decode_steps):
+            tokens = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 1), generator=gen)
+            at = (lengths + step)[:, None]
+            outs.append(compiled(tokens, at))
+            refs.append(reference(tokens, at))
+    caches = {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("_cache")}
+    return dict(outs=outs, refs=refs, caches=caches, collectives=backend.collective_counts)

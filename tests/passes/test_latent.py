@@ -1,0 +1,99 @@
+"""MLA's absorbed attention (DeepSeek's decode form) over latent caches: found, rewritten,
+or refused with the user's line."""
+
+import pytest
+import torch
+from torch import nn
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.models.mla import MLAConfig, MLATransformer
+from dcp_compile.passes import GraphPatternError, find, shard_attention
+from dcp_compile.passes.shard_attention import ALL_GATHER, PREFIX_ATTENTION
+from tests.support import capture_graph
+
+B, S, T, H, C, R = 2, 16, 3, 4, 8, 4
+
+
+class Latent(nn.Module):
+    """``flaw`` breaks one thing the passes rely on."""
+
+    def __init__(self, flaw=None):
+        super().__init__()
+        self.flaw = flaw
+        self.register_buffer("kv_cache", torch.zeros(B, S, C))
+        self.register_buffer("pe_cache", torch.zeros(B, S, R))
+        self.register_buffer("other", torch.zeros(B, S, C))
+
+    def forward(self, q_lat, q_pe, c_kv, k_pe, positions):
+        rows = torch.arange(B)[:, None]
+        self.kv_cache[rows, positions] = c_kv
+        if self.flaw != "unwritten rope":
+            self.pe_cache[rows, positions] = k_pe
+        scores = (torch.einsum("bthc,bsc->bths", q_lat, self.kv_cache)  # SCORES
+                  + torch.einsum("bthr,bsr->bths", q_pe, self.pe_cache)) * 0.5
+        slots = torch.arange(S)
+        visible = slots[None, None, None, :] <= positions[:, :, None, None]
+        if self.flaw == "window":
+            visible = visible & (slots[None, None, None, :] > positions[:, :, None, None] - 4)  # WINDOW
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=1 if self.flaw == "axis" else -1)  # SOFTMAX
+        values = self.other if self.flaw == "values" else self.kv_cache
+        return torch.einsum("bths,bsc->bthc", probs, values)
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(B, T, H, C, generator=gen), torch.randn(B, T, H, R, generator=gen),
+            torch.randn(B, T, C, generator=gen), torch.randn(B, T, R, generator=gen),
+            torch.arange(5, 5 + T).expand(B, T).contiguous())
+
+
+def line_of(marker):
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line)
+
+
+def test_the_absorbed_form_is_one_latent_site_and_is_rewritten():
+    gm, _ = capture_graph(Latent(), *inputs())
+    plan = find(gm)
+    (site,) = plan.sites
+    assert site.latent is not None and site.mask.proven and site.scale == 0.5
+    assert site.k_write is site.v_write and "kv_cache" in site.k_write.cache.name
+    assert "pe_cache" in site.latent.rope_write.cache.name
+    assert site.latent.query_perm == (0, 2, 1, 3)  # [B, T, H, C] -> [B, H, T, C]
+    einsums = lambda: sum(1 for n in gm.graph.nodes if n.target is torch.functional.einsum or "einsum" in str(n.target))  # noqa: E731
+    assert einsums() == 3
+    shard_attention(gm, plan, layout=KVLayout(2, 0, S), group_name="g")
+    assert einsums() == 0
+    assert sum(n.target is ALL_GATHER for n in gm.graph.nodes) == 1
+    assert sum(n.target is PREFIX_ATTENTION for n in gm.graph.nodes) == 1
+
+
+def test_the_reference_mla_target_has_one_latent_site_per_layer():
+    cfg = MLAConfig(n_layers=3)
+    model = MLATransformer(cfg)
+    tokens = torch.zeros(cfg.max_batch, 2, dtype=torch.long)
+    gm, _ = capture_graph(model, tokens, torch.arange(2).expand(cfg.max_batch, 2).contiguous())
+    plan = find(gm)
+    assert len(plan.sites) == 3 and all(s.latent is not None and s.mask.proven for s in plan.sites)
+    assert len(plan.caches) == 6
+
+
+@pytest.mark.parametrize("flaw, marker, message", [
+    ("unwritten rope", "SCORES", r"not a sum of einsum\(\"bthc,bsc->bths\", query, cache\) terms"),
+    ("axis", "SOFTMAX", "runs over axis 1, not over the keys"),
+    ("values", "SCORES", "a KV cache is read by 'einsum'"),
+])
+def test_latent_attention_the_passes_cannot_read_is_refused(flaw, marker, message):
+    gm, _ = capture_graph(Latent(flaw), *inputs())
+    with pytest.raises(GraphPatternError, match=message) as error:
+        find(gm)
+    assert f"test_latent.py:{line_of(marker)}" in str(error.value)
+
+
+def test_a_latent_attention_under_a_window_mask_is_not_sharded():
+    gm, _ = capture_graph(Latent("window"), *inputs())
+    plan = find(gm)
+    (site,) = plan.sites
+    assert not site.mask.proven and "restricts the causal mask further" in site.mask.failure
+    with pytest.raises(GraphPatternError, match="restricts the causal mask further"):
+        shard_attention(gm, plan, layout=KVLayout(2, 0, S), group_name="g")
