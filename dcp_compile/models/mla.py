@@ -96,6 +96,24 @@ def deepseek_v3_attention_shape(n_layers: int = 61, **overrides) -> MLAConfig:
     ), **overrides))
 
 
+def draft_config(cfg: MLAConfig, kind: str = "eagle3", **options):
+    """A ``DraftConfig`` for an EAGLE draft of an MLA target: a Llama decoder layer of the
+    target's width and heads over its hidden states (as Kimi-K2.5's EAGLE3 drafts are),
+    with the target's vocabulary, cache size and EAGLE3 features; ``options`` go to
+    ``DraftConfig`` (``draft_vocab_size``, ``n_features``)."""
+    from dcp_compile.models.eagle import DraftConfig
+    from dcp_compile.models.llama import LlamaConfig
+
+    if cfg.dim % cfg.n_heads:
+        raise ValueError(f"a Llama draft layer needs dim ({cfg.dim}) divisible by n_heads ({cfg.n_heads})")
+    shapes = LlamaConfig(
+        vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+        intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len, max_batch=cfg.max_batch,
+        rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, aux_layers=cfg.aux_layers,
+    )
+    return DraftConfig(shapes, kind, **options)
+
+
 def rope_tables(rope_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)

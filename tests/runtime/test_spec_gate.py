@@ -58,3 +58,16 @@ def test_ranks_that_diverge_all_stop_with_the_same_error():
         assert r["nan_agrees"] == [] and r["rank_differs"] == [1]
         assert r["error"] is not None and "DCP ranks diverged" in r["error"] and "ranks [1]" in r["error"]
     assert results[0]["error"] == results[1]["error"]
+
+
+@pytest.mark.parametrize("size, temperature", [(2, 0.0), (3, 0.0), (2, 0.8)])
+def test_mla_target_gate(size, temperature):
+    """An MLA target (latent caches sharded) with an EAGLE3 draft (a Llama layer, whole):
+    the off arm's tokens and accept counts, greedy and sampled."""
+    off = run(1, "mla", temperature=temperature, max_new_tokens=32)
+    dcp_arm = run(size, "mla", temperature=temperature, max_new_tokens=32)
+    assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
+    seen = {a for row in dcp_arm["accepted"] for a in row}
+    assert len(seen) >= 3, f"the batch should exercise several accept counts, saw {sorted(seen)}"
+    assert dcp_arm["verify_all_gathers"] == [4], "verify: one all-gather per latent attention layer"
+    assert dcp_arm["collectives"]["draft"] == [0, 0, 0]

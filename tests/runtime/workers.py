@@ -186,7 +186,8 @@ def draft_and_aux_worker(rank, size, kind):
     )
 
 
-SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2)}
+SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2),
+                 "mla": dict(kind="eagle3", target="mla", noise=3.0)}
 
 
 def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
@@ -195,7 +196,8 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     from tests.support import agreeing_pair
 
     group = dcp.init_group("cpu")
-    target, draft = agreeing_pair(kind, **SPEC_FIXTURES[kind])
+    fixture = dict(SPEC_FIXTURES[kind])
+    target, draft = agreeing_pair(fixture.pop("kind", kind), **fixture)
     decoder = SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, temperature=temperature, seed=11,
                           lowering="aot_eager", check_ranks=True)
     gen = torch.Generator().manual_seed(1)

@@ -63,7 +63,8 @@ def parity_worker(
     )
 
 
-def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
+def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96,
+                  target: str = "llama"):
     """A target and an EAGLE/EAGLE3 draft that agree most of the time.
 
     The target is built to mostly repeat its input token: the LM head is the token
@@ -72,15 +73,26 @@ def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4,
     through to the same head (EAGLE: fc keeps the final-hidden half of its input;
     EAGLE3: fc averages the three features), with its own noise.  Agreement is high
     but imperfect, so a batch sees every accept count from 0 to k.  For tests only: the weights are not a language model.
+    ``target="mla"``: the target is the MLA reference (latent attention), the draft a
+    Llama layer over its hidden states.
     """
     from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
 
     n_layers = 4
     aux = eagle3_aux_layers(n_layers) if kind == "eagle3" else (n_layers,)
-    cfg = LlamaConfig(vocab_size=32, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=96, n_layers=n_layers,
-                      max_seq_len=max_seq_len, max_batch=max_batch, aux_layers=aux)
-    target = make_model(cfg, seed)
-    draft = init_weights(EagleDraft(DraftConfig(cfg, kind, n_features=len(aux))), seed + 1).eval()
+    if target == "mla":
+        from dcp_compile.models.mla import MLAConfig, MLATransformer, draft_config
+
+        cfg = MLAConfig(vocab_size=32, dim=64, n_heads=4, intermediate_size=96, n_layers=n_layers,
+                        max_seq_len=max_seq_len, max_batch=max_batch, aux_layers=aux)
+        draft_cfg = draft_config(cfg, kind, n_features=len(aux))
+        target = init_weights(MLATransformer(cfg), seed).eval()
+    else:
+        cfg = LlamaConfig(vocab_size=32, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=96, n_layers=n_layers,
+                          max_seq_len=max_seq_len, max_batch=max_batch, aux_layers=aux)
+        draft_cfg = DraftConfig(cfg, kind, n_features=len(aux))
+        target = make_model(cfg, seed)
+    draft = init_weights(EagleDraft(draft_cfg), seed + 1).eval()
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 2)
         embedding = torch.randn(cfg.vocab_size, cfg.dim, generator=gen)
