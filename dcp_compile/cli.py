@@ -279,7 +279,7 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int
 def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dcp_compile import memory
     from dcp_compile.models.llama import llama3_8b_shape
-    from dcp_compile.models import DraftConfig
+    from dcp_compile.models import DraftConfig, eagle3_aux_layers
     from dcp_compile.models.pretrained import pair_configs
 
     sizes = _int_list(parser, "--dcp", args.dcp)
@@ -295,17 +295,18 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget = memory.device_budget("cuda:0")
     else:
         parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
-    from dcp_compile.models.mla import deepseek_v2_lite_shape, deepseek_v3_attention_shape
+    from dcp_compile.models.mla import deepseek_v2_lite_shape, deepseek_v3_attention_shape, draft_config
 
     mla_shapes = {"deepseek-v2-lite": deepseek_v2_lite_shape, "deepseek-v3": deepseek_v3_attention_shape}
     if args.model == "llama3-8b":
         cfg = llama3_8b_shape()
         draft = DraftConfig(cfg, "eagle3") if args.k else None
     elif args.model in mla_shapes:
-        cfg, draft = mla_shapes[args.model](), None
+        cfg = mla_shapes[args.model](aux_layers=eagle3_aux_layers(mla_shapes[args.model]().n_layers))
+        draft = draft_config(cfg) if args.k else None
         print(f"{args.model}: the reference MLA shape (latent cache {cfg.kv_lora_rank} + rope key "
               f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
-              f"figure is the stand-in's, and no EAGLE draft is counted")
+              f"figure is the stand-in's")
     else:
         cfg, draft = pair_configs(args.model)
         draft = draft if args.k else None

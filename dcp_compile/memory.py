@@ -102,10 +102,6 @@ class MemoryPlanner:
     interleave: int = 1
     step_tokens: int | None = None
 
-    def __post_init__(self) -> None:
-        if hasattr(self.target, "kv_lora_rank") and self.draft is not None:
-            raise ValueError("EAGLE drafts for MLA targets are not built yet: plan an MLA target with draft=None")
-
     @cached_property
     def _weight_bytes(self) -> tuple[int, int]:
         from dcp_compile.models import EagleDraft, Llama
@@ -125,7 +121,10 @@ class MemoryPlanner:
         slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens)
         target_weights, draft_bytes = self._weight_bytes
         if self.draft is not None:
-            draft_bytes += 2 * cfg.n_kv_heads * cfg.head_dim * self.dtype.itemsize * max_batch * max_seq_len
+            # The draft's one layer caches per-head keys and values whole (its shapes are
+            # those of the config it was built for: an MLA target's draft is a Llama layer).
+            shapes = self.draft.target
+            draft_bytes += 2 * shapes.n_kv_heads * shapes.head_dim * self.dtype.itemsize * max_batch * max_seq_len
         step = self.step_tokens or max(self.verify_tokens, 1)
         return MemoryPlan(
             dcp_size=dcp_size, max_batch=max_batch, max_seq_len=max_seq_len,

@@ -158,18 +158,31 @@ def test_mla_cache_is_one_latent_and_rope_key_per_token_and_layer():
     with torch.device("meta"):
         params = sum(p.numel() for p in MLATransformer(small).parameters())
     assert MemoryPlanner(small, 1 << 40).plan(1, 1, 64).weight_bytes == params * 2
-    with pytest.raises(ValueError, match="EAGLE drafts for MLA targets are not built yet"):
-        MemoryPlanner(small, 1 << 40, draft=DraftConfig(LlamaConfig(), "eagle3"))
+    # an EAGLE3 draft for it is a Llama layer of the target's width and heads, its cache whole
+    from dcp_compile.models.mla import draft_config
+
+    drafted = deepseek_v2_lite_shape(aux_layers=(2, 13, 24))
+    with_draft = MemoryPlanner(drafted, H200_BYTES, draft=draft_config(drafted), verify_tokens=4).plan(2, 8, 32768)
+    without = MemoryPlanner(drafted, H200_BYTES, verify_tokens=4).plan(2, 8, 32768)
+    assert with_draft.target_kv_bytes == without.target_kv_bytes
+    from dcp_compile.models import EagleDraft
+
+    with torch.device("meta"):
+        draft = EagleDraft(draft_config(drafted))
+    weights = sum(p.numel() for name, p in draft.named_parameters() if not name.startswith("embed.")) * 2
+    # its cache: keys and values of 16 heads x 128 per token, 8 x 32768 tokens, bf16, whole on every rank
+    assert with_draft.draft_bytes == weights + 2 * 16 * 128 * 2 * 8 * 32768
 
 
 def test_plan_command_knows_the_mla_cache(capsys):
     from dcp_compile.cli import main
-    from dcp_compile.models.mla import deepseek_v2_lite_shape
+    from dcp_compile.models.mla import deepseek_v2_lite_shape, draft_config
 
     assert main(["plan", "--model", "deepseek-v2-lite", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8",
                  "--contexts", "131072"]) == 0
     out = capsys.readouterr().out
-    assert "latent cache 512 + rope key 64 per token and layer" in out and "no draft" in out
-    planner = MemoryPlanner(deepseek_v2_lite_shape(), int(139.8 * GiB), verify_tokens=4)
+    assert "latent cache 512 + rope key 64 per token and layer" in out and "EAGLE3 draft, k=3" in out
+    cfg = deepseek_v2_lite_shape(aux_layers=(2, 13, 24))
+    planner = MemoryPlanner(cfg, int(139.8 * GiB), draft=draft_config(cfg), verify_tokens=4)
     longest = planner.longest_context(2, 8)
     assert f"| 8 | {planner.longest_context(1, 8):,} | {longest:,} |" in out
