@@ -18,8 +18,11 @@ tensor parallelism cannot split and decode context parallelism can.
 
 ``MLAttention.forward_decompressed`` computes the same attention the textbook way
 (per-head keys ``[k_nope | k_pe]`` and values decompressed from the latent): the
-reference the absorbed form is tested against.  The DCP passes do not shard this
-model yet: ``dcp.prepare`` refuses its three-axis caches with the line that writes them.
+reference the absorbed form is tested against.  Under DCP the passes find the absorbed
+einsums, shard both latent caches along the sequence, and run each layer as one key
+head ``[latent | rope key]`` with the latent as values through the prefix + window +
+exact-merge cascade (one collective per layer, the ``W_uv`` projection after the merge).
+``draft_config`` sizes an EAGLE3 draft for it.
 """
 
 from __future__ import annotations
