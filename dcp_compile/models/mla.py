@@ -62,8 +62,13 @@ class MLAConfig:
     norm_eps: float = 1e-6
     aux_layers: tuple[int, ...] = ()
     """Hidden states returned beside the logits for EAGLE drafts, as ``LlamaConfig``'s."""
+    attention_form: str = "einsum"
+    """How the absorbed attention is spelled: ``"einsum"`` (DeepSeek's reference decode)
+    or ``"sdpa"`` (one SDPA call, keys ``[latent | rope]``, the latent as values)."""
 
     def __post_init__(self) -> None:
+        if self.attention_form not in ("einsum", "sdpa"):
+            raise ValueError(f"attention_form must be 'einsum' or 'sdpa', got {self.attention_form!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even (pairs rotate together), got {self.qk_rope_head_dim}")
         if any(not 0 <= i <= self.n_layers for i in self.aux_layers) or list(self.aux_layers) != sorted(set(self.aux_layers)):
@@ -182,6 +187,14 @@ class MLAttention(nn.Module):
         self.pe_cache[rows, positions] = k_pe
         w_uk, w_uv = self._up_projections()
         q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+        if self.cfg.attention_form == "sdpa":
+            slots = torch.arange(self.kv_cache.shape[1], device=x.device)
+            visible = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+            q = torch.cat([q_abs, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, C + rope]
+            keys = torch.cat([self.kv_cache, self.pe_cache], dim=-1)[:, None]
+            o_lat = F.scaled_dot_product_attention(q, keys, self.kv_cache[:, None], attn_mask=visible,
+                                                   scale=self.softmax_scale, enable_gqa=True).transpose(1, 2)
+            return self.wo(torch.einsum("bthc,hdc->bthd", o_lat.type_as(x), w_uv).flatten(2))
         scores = (torch.einsum("bthc,bsc->bths", q_abs, self.kv_cache)
                   + torch.einsum("bthr,bsr->bths", q_pe, self.pe_cache)) * self.softmax_scale
         slots = torch.arange(self.kv_cache.shape[1], device=x.device)

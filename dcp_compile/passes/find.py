@@ -76,7 +76,8 @@ class LatentParts:
     rope_key`` over two caches written at one position tensor, and the values are the
     latent cache itself (``AttentionSite.k_write`` is ``v_write``, the latent's write)."""
 
-    rope_query: Node
+    rope_query: Node | None
+    """``None``: the site's query already holds ``[q_latent | q_rope]`` (the SDPA spelling)."""
     rope_write: KVWrite
     query_perm: tuple[int, ...]
     """Permutes the queries' axes (as the user's einsums hold them) to ``[B, H, T, .]``."""
@@ -310,6 +311,10 @@ def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWri
     """An ``F.scaled_dot_product_attention`` over two caches, or None if it reads none."""
     q, k, v = node.args[:3]
     reads = [_read_chain(operand, caches) for operand in (k, v)]
+    if reads[0] is None and reads[1] is not None:
+        latent = _latent_sdpa_site(node, caches, writes, reads[1])
+        if latent is not None:
+            return latent
     if any(r is None for r in reads):
         return None  # not over two caches: either no cache at all, or caught as an unexplained read
     if arg(node, 4, "dropout_p", 0.0):
@@ -318,6 +323,64 @@ def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWri
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
     site = _make_site(node, q, *reads, writes, scale, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False))
     return site, [*reads[0][1], *reads[1][1], node]
+
+
+def _one_head(node, chain: list[Node]) -> bool:
+    """Whether ``chain`` takes a ``[B, S, W]`` tensor to ``[B, 1, S, W]`` (``[:, None]``,
+    ``unsqueeze(1)``) through layout-only ops."""
+    if len(shape_of(node)) != 4 or shape_of(node)[1] != 1:
+        return False
+    for step in chain:
+        name = op_name(step)
+        if name == "unsqueeze" and int(step.args[1]) % 4 == 1:
+            continue
+        if name == "getitem":
+            index = step.args[1] if isinstance(step.args[1], tuple) else (step.args[1],)
+            if list(index) in ([slice(None), None], [slice(None), None, Ellipsis], [slice(None), None, slice(None), slice(None)]):
+                continue
+        if name in _LAYOUT_ONLY and shape_of(step) == shape_of(step.args[0]):
+            continue
+        return False
+    return True
+
+
+def _latent_sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite], v_read):
+    """MLA written with SDPA: ``scaled_dot_product_attention(cat([q_abs, q_pe], -1),
+    cat([kv_cache, pe_cache], -1)[:, None], kv_cache[:, None], enable_gqa=True)`` (keys
+    576 wide, values 512 in DeepSeek's shapes); None if the keys are not that."""
+    value_cache, v_chain = v_read
+    if value_cache.seq_dim != 1 or len(shape_of(value_cache.node)) != 3 or not _one_head(node.args[2], v_chain):
+        return None
+    k_chain, keys = [], node.args[1]
+    while isinstance(keys, Node) and op_name(keys) != "cat" and len(keys.all_input_nodes) == 1:
+        k_chain.append(keys)
+        keys = keys.args[0]
+    if not isinstance(keys, Node) or op_name(keys) != "cat" or not _one_head(node.args[1], k_chain[::-1]):
+        return None
+    parts, dim = keys.args[0], arg(keys, 1, "dim", 0)
+    if len(parts) != 2 or int(dim) % 3 != 2 or not all(isinstance(p, Node) and p in caches for p in parts):
+        return None
+    if parts[0] is not value_cache.node:
+        raise GraphPatternError(
+            f"the latent attention at {where(node)} concatenates its keys as [{caches[parts[0]].name}, "
+            f"{caches[parts[1]].name}] but reads {value_cache.name} as values; expected the latent cache first"
+        )
+    latent_write, rope_write = writes[parts[0]], writes[parts[1]]
+    if rope_write.positions is not latent_write.positions:
+        raise GraphPatternError(
+            f"the latent and rope-key caches read at {where(node)} are written at different position tensors "
+            f"({where(latent_write.node)} and {where(rope_write.node)}); expected one positions tensor per layer"
+        )
+    if arg(node, 4, "dropout_p", 0.0):
+        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
+    q = node.args[0]
+    scale = arg(node, 6, "scale", None)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
+    proof = prove_causal(node, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False), latent_write.positions,
+                         latent_write.index.position_tags)
+    identity = (0, 1, 2, 3)
+    site = AttentionSite(node, q, latent_write, latent_write, scale, proof, LatentParts(None, rope_write, identity, identity))
+    return site, [*v_chain, *k_chain, keys, node]
 
 
 _MATMULS = frozenset({"matmul", "bmm", "__matmul__"})

@@ -86,7 +86,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             caches = [cache_view(w) for w in (k_write, v_write)]
         else:
             # MLA: one key head [latent | rope key], the latent as the values.
-            query = graph.call_function(latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
+            query = site.query if latent.rope_query is None else graph.call_function(
+                latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
             new_latent, latent_cache = new_tokens(k_write), cache_view(k_write)
             new_kv = [graph.call_function(latent_keys, (new_latent, new_tokens(latent.rope_write))), new_latent]
             caches = [graph.call_function(latent_keys, (latent_cache, cache_view(latent.rope_write))), latent_cache]

@@ -16,13 +16,16 @@ def model(cfg: MLAConfig, seed: int = 0) -> MLATransformer:
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
 def test_absorbed_prefill_equals_decompressed_attention(q_lora_rank):
     cfg = MLAConfig(q_lora_rank=q_lora_rank)
+    sdpa = model(MLAConfig(q_lora_rank=q_lora_rank, attention_form="sdpa"))
     m = model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.max_batch, 11), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(11).expand(cfg.max_batch, 11)
     with torch.no_grad():
         cached = m(tokens, positions)
         textbook = m.forward_decompressed(tokens)
+        spelled_sdpa = sdpa(tokens, positions)
     torch.testing.assert_close(cached, textbook, rtol=1e-5, atol=1e-5)  # the logits and the softmax are fp32 by design
+    torch.testing.assert_close(spelled_sdpa, textbook, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_steps_at_ragged_positions_equal_recomputing_each_sequence():
@@ -70,8 +73,9 @@ def test_logits_at_picks_each_rows_position():
     torch.testing.assert_close(picked[:, 0], full[torch.arange(3), at[:, 0]], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("size, interleave", [(1, 1), (2, 1), (2, 2), (3, 1)])
-def test_mla_target_shards_and_matches_itself_unsharded(size, interleave):
+@pytest.mark.parametrize("size, interleave, form", [(1, 1, "einsum"), (2, 1, "einsum"), (2, 2, "einsum"),
+                                                    (3, 1, "einsum"), (2, 1, "sdpa")])
+def test_mla_target_shards_and_matches_itself_unsharded(size, interleave, form):
     """Prefill (ragged, right-padded) and 20 decode steps at per-sequence positions."""
     import math
 
@@ -79,7 +83,7 @@ def test_mla_target_shards_and_matches_itself_unsharded(size, interleave):
     from tests.runtime.workers import mla_parity_worker
     from tests.support import FP32_TOLERANCE
 
-    ranks = spawn_ranks(mla_parity_worker, size, interleave, 20, timeout=600)
+    ranks = spawn_ranks(mla_parity_worker, size, interleave, 20, form, timeout=600)
     for r in ranks:
         for out, ref in zip(r["outs"], r["refs"]):
             torch.testing.assert_close(out, ref, **FP32_TOLERANCE)

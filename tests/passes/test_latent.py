@@ -97,3 +97,40 @@ def test_a_latent_attention_under_a_window_mask_is_not_sharded():
     assert not site.mask.proven and "restricts the causal mask further" in site.mask.failure
     with pytest.raises(GraphPatternError, match="restricts the causal mask further"):
         shard_attention(gm, plan, layout=KVLayout(2, 0, S), group_name="g")
+
+
+class LatentSDPA(nn.Module):
+    """The same attention spelled with SDPA: keys [latent | rope] 12 wide, values the latent."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(B, S, C))
+        self.register_buffer("pe_cache", torch.zeros(B, S, R))
+
+    def forward(self, q_lat, q_pe, c_kv, k_pe, positions):
+        rows = torch.arange(B)[:, None]
+        self.kv_cache[rows, positions] = c_kv
+        self.pe_cache[rows, positions] = k_pe
+        slots = torch.arange(S)
+        visible = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        q = torch.cat([q_lat, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, C + R]
+        keys = torch.cat([self.kv_cache, self.pe_cache], dim=-1)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, self.kv_cache[:, None], attn_mask=visible,
+                                                               scale=0.5, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def test_the_sdpa_spelling_is_a_latent_site_with_the_same_result():
+    module = LatentSDPA()
+    gm, example = capture_graph(module, *inputs())
+    plan = find(gm)
+    (site,) = plan.sites
+    assert site.latent is not None and site.latent.rope_query is None and site.mask.proven and site.scale == 0.5
+    shard_attention(gm, plan, layout=KVLayout(1, 0, S), group_name=None)
+    assert not any("scaled_dot_product" in str(n.target) for n in gm.graph.nodes)
+    # the two spellings are one function, and the rewritten graph (a group of one) computes it
+    sdpa, einsum = LatentSDPA()(*inputs()), Latent()(*inputs())
+    torch.testing.assert_close(sdpa, einsum, rtol=1e-5, atol=1e-5)
+    rewritten = gm(*example)
+    rewritten = rewritten[0] if isinstance(rewritten, (tuple, list)) else rewritten
+    torch.testing.assert_close(rewritten, sdpa, rtol=1e-5, atol=1e-5)

@@ -60,7 +60,7 @@ def test_ranks_that_diverge_all_stop_with_the_same_error():
     assert results[0]["error"] == results[1]["error"]
 
 
-@pytest.mark.parametrize("size, temperature", [(2, 0.0), (3, 0.0), (2, 0.8)])
+@pytest.mark.parametrize("size, temperature", [(2, 0.0), (4, 0.0), (2, 0.8)])
 def test_mla_target_gate(size, temperature):
     """An MLA target (latent caches sharded) with an EAGLE3 draft (a Llama layer, whole):
     the off arm's tokens and accept counts, greedy and sampled."""

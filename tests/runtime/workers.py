@@ -395,7 +395,7 @@ def engine_leader_worker(rank, size, prompts, arrivals, abort_at):
     return dict(tokens=tokens, ends=ends, static=static)
 
 
-def mla_parity_worker(rank, size, interleave, decode_steps):
+def mla_parity_worker(rank, size, interleave, decode_steps, form="einsum"):
     """The MLA reference target (absorbed latent attention, DeepSeek's decode form),
     prepared and compiled on ``size`` ranks, against itself eager and unsharded: a
     right-padded ragged prefill, then ``decode_steps`` steps at per-sequence positions."""
@@ -403,7 +403,7 @@ def mla_parity_worker(rank, size, interleave, decode_steps):
     from dcp_compile.models.mla import MLAConfig, MLATransformer
 
     group = dcp.init_group("cpu")
-    cfg = MLAConfig(max_seq_len=40, max_batch=3, q_lora_rank=12)
+    cfg = MLAConfig(max_seq_len=40, max_batch=3, q_lora_rank=12, attention_form=form)
     reference = init_weights(MLATransformer(cfg), 0, std=0.2).eval()
     model = init_weights(MLATransformer(cfg), 0, std=0.2).eval()
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave)
