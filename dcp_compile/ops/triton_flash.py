@@ -317,8 +317,8 @@ def _window_attention_cuda(q, k_new, v_new, positions, scale):
 @window_attention.register_torch_dispatch(FunctionalTensorMode)
 def _window_attention_functional(mode, op, types, args, kwargs):
     q = args[0] if args else kwargs["q"]
-    if q.device.type != "cuda":
+    k_new, v_new = (args[1], args[2]) if len(args) > 2 else (kwargs["k_new"], kwargs["v_new"])
+    if q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        k_new, v_new = (args[1], args[2]) if len(args) > 2 else (kwargs["k_new"], kwargs["v_new"])
-        return _window_form(k_new, v_new)(*args, **kwargs)
+        return window_flash_triton(*args, **kwargs)

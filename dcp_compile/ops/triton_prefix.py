@@ -295,8 +295,10 @@ def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale):
 @prefix_attention.register_torch_dispatch(FunctionalTensorMode)
 def _prefix_attention_functional(mode, op, types, args, kwargs):
     q = args[0] if args else kwargs["q"]
-    if q.device.type != "cuda":
+    k_cache, v_cache = (args[1], args[2]) if len(args) > 2 else (kwargs["k_cache"], kwargs["v_cache"])
+    if q.device.type != "cuda" or _cuda_form(q, k_cache, v_cache) is prefix_attention_reference:
+        # Kept as one opaque op: the reference reads kv_len's largest value, which a
+        # traced graph cannot.
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        k_cache, v_cache = (args[1], args[2]) if len(args) > 2 else (kwargs["k_cache"], kwargs["v_cache"])
-        return _cuda_form(q, k_cache, v_cache)(*args, **kwargs)
+        return _kernel_for(q)(*args, **kwargs)
