@@ -65,6 +65,9 @@ def test_find_leaves_attention_over_in_graph_tensors_alone():
     [
         (graphs.CacheThenConcat, "UNCLASSIFIABLE-READ", "read by 'cat'"),
         (graphs.ScoresOverCache, "MATMUL-READ", "cannot shard"),
+        # attention by hand that the passes cannot read
+        (graphs.SoftmaxOverQueries, "WRONG-AXIS", "runs over axis 2, not over the keys"),
+        (graphs.FilledWithoutInversion, "FILL", r"the passes read a fill as masked_fill\(~allowed, -inf\)"),
     ],
 )
 def test_unclassifiable_cache_read_names_the_source_line(module_cls, marker, expected):

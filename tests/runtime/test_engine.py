@@ -1,7 +1,6 @@
 """SpecEngine: requests that join and leave a running batch."""
 
 import pytest
-import torch
 
 import dcp_compile as dcp
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
