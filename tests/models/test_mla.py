@@ -4,7 +4,6 @@ attention, step by step, for every sequence at its own positions."""
 import pytest
 import torch
 
-import dcp_compile as dcp
 from dcp_compile.models.llama import init_weights
 from dcp_compile.models.mla import MLAConfig, MLATransformer, deepseek_v2_lite_shape, deepseek_v3_attention_shape
 
