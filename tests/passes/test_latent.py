@@ -17,9 +17,9 @@ B, S, T, H, C, R = 2, 16, 3, 4, 8, 4
 class Latent(nn.Module):
     """``flaw`` breaks one thing the passes rely on."""
 
-    def __init__(self, flaw=None):
+    def __init__(self, flaw=None, heads_first=False):
         super().__init__()
-        self.flaw = flaw
+        self.flaw, self.heads_first = flaw, heads_first
         self.register_buffer("kv_cache", torch.zeros(B, S, C))
         self.register_buffer("pe_cache", torch.zeros(B, S, R))
         self.register_buffer("other", torch.zeros(B, S, C))
@@ -29,6 +29,12 @@ class Latent(nn.Module):
         self.kv_cache[rows, positions] = c_kv
         if self.flaw != "unwritten rope":
             self.pe_cache[rows, positions] = k_pe
+        if self.heads_first:  # [B, H, T, .] queries, scores [B, H, T, S]
+            scores = (torch.einsum("bhtc,bsc->bhts", q_lat.transpose(1, 2), self.kv_cache)
+                      + torch.einsum("bhtr,bsr->bhts", q_pe.transpose(1, 2), self.pe_cache)) * 0.5
+            visible = torch.arange(S)[None, None, None, :] <= positions[:, None, :, None]
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            return torch.einsum("bhts,bsc->bhtc", probs, self.kv_cache).transpose(1, 2)
         scores = (torch.einsum("bthc,bsc->bths", q_lat, self.kv_cache)  # SCORES
                   + torch.einsum("bthr,bsr->bths", q_pe, self.pe_cache)) * 0.5
         slots = torch.arange(S)
@@ -134,3 +140,17 @@ def test_the_sdpa_spelling_is_a_latent_site_with_the_same_result():
     rewritten = gm(*example)
     rewritten = rewritten[0] if isinstance(rewritten, (tuple, list)) else rewritten
     torch.testing.assert_close(rewritten, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_the_rewritten_latent_site_computes_the_same_attention(heads_first):
+    """A group of one runs the cascade without a collective: the same numbers as the
+    user's einsums, whichever of the token and head axes comes first."""
+    gm, example = capture_graph(Latent(heads_first=heads_first), *inputs())
+    plan = find(gm)
+    (site,) = plan.sites
+    assert site.mask.proven and site.latent.query_perm == ((0, 1, 2, 3) if heads_first else (0, 2, 1, 3))
+    shard_attention(gm, plan, layout=KVLayout(1, 0, S), group_name=None)
+    rewritten = gm(*example)
+    rewritten = rewritten[0] if isinstance(rewritten, (tuple, list)) else rewritten
+    torch.testing.assert_close(rewritten, Latent(heads_first=heads_first)(*inputs()), rtol=1e-5, atol=1e-5)
