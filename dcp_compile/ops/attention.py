@@ -164,3 +164,26 @@ def window_attention(
 def _window_attention_fake(q, k_new, v_new, positions, scale):
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, v_new.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def latent_prefix_attention_reference(
+    q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latent_prefix_attention`` in plain torch: the keys ``[latent | rope]`` side by side."""
+    return prefix_attention_reference(q, torch.cat([latent, rope.to(latent.dtype)], dim=-1), latent, kv_len, scale)
+
+
+@torch.library.custom_op("dcp::latent_prefix_attention", mutates_args=())
+def latent_prefix_attention(
+    q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's prefix: ``q [B, H, T, C + R]`` over cache slots ``[0, kv_len[b])`` of one
+    latent head ``[B, 1, S, C]`` and its rope key ``[B, 1, S, R]``, the latent as values:
+    ``prefix_attention`` with keys ``[latent | rope]``, without building them."""
+    return latent_prefix_attention_reference(q, latent, rope, kv_len, scale)
+
+
+@latent_prefix_attention.register_fake
+def _latent_prefix_attention_fake(q, latent, rope, kv_len, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty((B, H, T, latent.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)

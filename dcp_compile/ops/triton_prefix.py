@@ -62,7 +62,9 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
-from dcp_compile.ops.attention import prefix_attention, prefix_attention_reference
+from dcp_compile.ops.attention import (
+    latent_prefix_attention, latent_prefix_attention_reference, prefix_attention, prefix_attention_reference,
+)
 from dcp_compile.ops.triton_flash import check_inputs, prefix_flash_triton  # imports nothing of this module: no cycle
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -274,6 +276,154 @@ def prefix_attention_triton(
             num_warps=4,
         )
     return out, lse
+
+
+@triton.jit
+def _latent_split_kernel(
+    Q, KV, PE, KV_LEN, O, LSE,
+    qk_scale,  # softmax scale * log2(e)
+    S, T, H, num_splits,
+    s_qb, s_qh, s_qt, s_qd,
+    s_cb, s_cs, s_cd,
+    s_pb, s_ps, s_pd,
+    s_ob, s_oh, s_ot, s_os,
+    s_lb, s_lh, s_lt, s_ls,
+    ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """MLA's prefix: every query head against one latent head.  Scores add ``q[:C] .
+    latent`` and ``q[C:] . rope_key``; the values are the latent tile already loaded for
+    the scores, so each slot's ``C + R`` numbers are read once."""
+    split = tl.program_id(0)
+    row_block = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    rows = row_block * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < H * T
+    head = (rows // T).to(tl.int64)
+    tok = rows % T
+    offs_c = tl.arange(0, C)
+    offs_r = tl.arange(0, R)
+    q_rows = Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt
+    q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
+
+    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    kv_base = KV + b * s_cb
+    pe_base = PE + b * s_pb
+
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, C], tl.float32)
+    for start in range(lo, hi, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        live = offs_s < hi
+        kv = tl.load(kv_base + offs_s[:, None] * s_cs + offs_c[None, :] * s_cd, mask=live[:, None], other=0.0)
+        pe = tl.load(pe_base + offs_s[:, None] * s_ps + offs_r[None, :] * s_pd, mask=live[:, None], other=0.0)
+        scores = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
+        scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+        scores = (scores * qk_scale).to(tl.float32)
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m = m_new
+
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_rows = b * s_ob + head * s_oh + tok * s_ot + split * s_os
+    tl.store(O + o_rows[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt + split * s_ls, lse, mask=row_ok)
+
+
+def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
+    """Whether ``latent_prefix_attention_triton`` takes these shapes: power-of-two latent
+    and rope widths of at least 16 (``tl.dot``'s smallest), one cache head, a decode or
+    verify step's few tokens, a dtype the kernel loads."""
+    C, R = int(latent.shape[-1]), int(rope.shape[-1])
+    return (
+        latent.shape[1] == 1 and rope.shape[1] == 1 and q.shape[-1] == C + R and q.dtype in SUPPORTED_DTYPES
+        and all(w >= 16 and w & (w - 1) == 0 for w in (C, R)) and q.shape[2] <= SPLIT_KV_MAX_TOKENS
+    )
+
+
+@triton_op("dcp::latent_prefix_attention_triton", mutates_args=())
+def latent_prefix_attention_triton(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_s: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latent_prefix_attention`` by the Triton kernels: ``q [B, H, T, C + R]`` over
+    ``latent [B, 1, S, C]`` and ``rope [B, 1, S, R]``; ``(out fp32 [B, H, T, C], lse fp32
+    [B, H, T])``.  ``num_splits`` and ``block_s`` as for ``prefix_attention_triton``."""
+    if not latent_kernel_fits(q, latent, rope):
+        raise ValueError(
+            f"the latent kernel takes q [B, H, T <= {SPLIT_KV_MAX_TOKENS}, C + R], latent [B, 1, S, C] and rope "
+            f"[B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
+            f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype}"
+        )
+    B, H, T, _ = (int(n) for n in q.shape)
+    S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
+    block_s = block_s or max(16, min(64, STAGE_BYTES // ((C + R) * q.element_size())))
+    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(H * T)))
+    row_blocks = triton.cdiv(H * T, rows)
+    if num_splits is None:
+        sm_count = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda" else DEFAULT_SM_COUNT
+        )
+        num_splits, _ = split_plan(B, 1, row_blocks, S, block_s, sm_count)
+    else:
+        num_splits, _ = _splits_of(triton.cdiv(max(S, 1), block_s), max(1, min(num_splits, MAX_SPLITS)), block_s)
+    out = torch.empty((B, H, T, C), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        o_part, lse_part = out, lse
+        o_strides, l_strides = (*out.stride()[:3], 0), (*lse.stride(), 0)
+    else:
+        o_part = torch.empty((B, H, T, num_splits, C), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((B, H, T, num_splits), device=q.device, dtype=torch.float32)
+        o_strides, l_strides = o_part.stride()[:4], lse_part.stride()
+    wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](
+        q, latent, rope, kv_len, o_part, lse_part,
+        scale * 1.4426950408889634,
+        S, T, H, num_splits,
+        *q.stride(), latent.stride(0), latent.stride(2), latent.stride(3), rope.stride(0), rope.stride(2),
+        rope.stride(3), *o_strides, *l_strides,
+        ROWS=rows, C=C, R=R, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=2,
+    )
+    if num_splits > 1:
+        wrap_triton(_merge_splits_kernel)[(B * H * T,)](
+            o_part, lse_part, out, lse, num_splits, D=C, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out, lse
+
+
+@latent_prefix_attention.register_kernel("cuda")
+def _latent_prefix_attention_cuda(q, latent, rope, kv_len, scale):
+    if latent_kernel_fits(q, latent, rope):
+        return latent_prefix_attention_triton(q, latent, rope, kv_len, scale)
+    return latent_prefix_attention_reference(q, latent, rope, kv_len, scale)
+
+
+@latent_prefix_attention.register_torch_dispatch(FunctionalTensorMode)
+def _latent_prefix_attention_functional(mode, op, types, args, kwargs):
+    q, latent, rope = (args[:3] if len(args) >= 3 else (kwargs["q"], kwargs["latent"], kwargs["rope"]))
+    if q.device.type != "cuda" or not latent_kernel_fits(q, latent, rope):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return latent_prefix_attention_triton(*args, **kwargs)
 
 
 def _kernel_for(q: torch.Tensor):

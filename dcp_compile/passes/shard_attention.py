@@ -47,6 +47,7 @@ ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
+LATENT_PREFIX_ATTENTION = torch.ops.dcp.latent_prefix_attention.default
 WINDOW_ATTENTION = torch.ops.dcp.window_attention.default
 COMMS = ("ag", "a2a")
 """How the partials meet: ``"ag"`` all-gathers every rank's ``[out | lse]`` and every
@@ -90,7 +91,9 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
                 latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
             new_latent, latent_cache = new_tokens(k_write), cache_view(k_write)
             new_kv = [graph.call_function(latent_keys, (new_latent, new_tokens(latent.rope_write))), new_latent]
-            caches = [graph.call_function(latent_keys, (latent_cache, cache_view(latent.rope_write))), latent_cache]
+            # The prefix reads the two caches where they lie (latent_prefix_attention); the
+            # few new tokens of the window are joined into keys.
+            caches = [latent_cache, cache_view(latent.rope_write)]
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
         key_masks = site.mask.key_masks
         if key_masks and latent is not None:
@@ -99,6 +102,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             slots = fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
             allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks), dict(sharding, slots=slots))
             prefix = graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
+        elif latent is not None:
+            prefix = graph.call_function(LATENT_PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
         else:
             prefix = graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
         packed = graph.call_function(

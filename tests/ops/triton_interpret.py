@@ -3,7 +3,7 @@
 ``TRITON_INTERPRET`` is read when ``triton`` is imported, so the interpreter gets a
 process of its own:
 
-    TRITON_INTERPRET=1 python tests/ops/triton_interpret.py CASES.pt RESULTS.pt
+    TRITON_INTERPRET=1 python tests/ops/triton_interpret.py CASES.pt RESULTS.pt [OP]
 
 ``CASES.pt`` maps a case name to the op's arguments (a dict); ``RESULTS.pt`` maps it to
 ``(out, lse)``.  tests/ops/test_triton_prefix.py writes the cases, runs this, and
@@ -50,16 +50,18 @@ def patch_interpreter() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot_bf16
 
 
-def main(cases_path: str, results_path: str) -> None:
+def main(cases_path: str, results_path: str, op: str = "prefix_attention_triton") -> None:
+    """``op``: which of ``dcp_compile.ops``'s Triton ops the cases call."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 in the environment (it is read when triton is imported)")
     import torch
 
     patch_interpreter()
-    from dcp_compile.ops import prefix_attention_triton
+    import dcp_compile.ops
 
+    kernel = getattr(dcp_compile.ops, op)
     cases = torch.load(cases_path)
-    results = {name: prefix_attention_triton(**args) for name, args in cases.items()}
+    results = {name: kernel(**args) for name, args in cases.items()}
     torch.save(results, results_path)
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from dcp_compile.layout import KVLayout
 from dcp_compile.models.mla import MLAConfig, MLATransformer
 from dcp_compile.passes import GraphPatternError, find, shard_attention
-from dcp_compile.passes.shard_attention import ALL_GATHER, PREFIX_ATTENTION
+from dcp_compile.passes.shard_attention import ALL_GATHER, LATENT_PREFIX_ATTENTION
 from tests.support import capture_graph
 
 B, S, T, H, C, R = 2, 16, 3, 4, 8, 4
@@ -71,7 +71,7 @@ def test_the_absorbed_form_is_one_latent_site_and_is_rewritten():
     shard_attention(gm, plan, layout=KVLayout(2, 0, S), group_name="g")
     assert einsums() == 0
     assert sum(n.target is ALL_GATHER for n in gm.graph.nodes) == 1
-    assert sum(n.target is PREFIX_ATTENTION for n in gm.graph.nodes) == 1
+    assert sum(n.target is LATENT_PREFIX_ATTENTION for n in gm.graph.nodes) == 1
 
 
 def test_the_reference_mla_target_has_one_latent_site_per_layer():

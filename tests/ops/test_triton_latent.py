@@ -1,0 +1,105 @@
+"""The Triton latent prefix kernel (MLA) against the float64 reference, under Triton's
+interpreter on CPU; slots at or past each length hold NaN, so a leak shows."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_compile.ops.attention import latent_prefix_attention
+from dcp_compile.ops.triton_prefix import latent_kernel_fits
+from tests.ops.test_attention import attention_float64
+from tests.ops.test_triton_prefix import TOLERANCE, WORKER
+
+SCALE = 0.1
+
+
+def make_case(seed, *, t=1, h=4, c=32, r=16, s=150, kv_len=(0, 150, 77), dtype=torch.float32, num_splits=None,
+              block_s=None):
+    gen = torch.Generator().manual_seed(seed)
+    b = len(kv_len)
+    q = torch.randn(b, h, t, c + r, generator=gen).to(dtype)
+    latent = torch.randn(b, 1, s, c, generator=gen).to(dtype)
+    rope = torch.randn(b, 1, s, r, generator=gen).to(dtype)
+    lengths = torch.tensor(kv_len)
+    unused = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, :, None]
+    args = dict(q=q, latent=latent.masked_fill(unused, float("nan")), rope=rope.masked_fill(unused, float("nan")),
+                kv_len=lengths, scale=SCALE, num_splits=num_splits, block_s=block_s)
+    return args, (latent, rope)
+
+
+CASES = {
+    "decode-fp32": make_case(1),
+    "verify-fp32": make_case(2, t=4),
+    "decode-bf16": make_case(3, dtype=torch.bfloat16),
+    "splits": make_case(4, t=2, s=256, kv_len=(0, 256, 77), num_splits=8, block_s=16),
+    "one-split": make_case(5, t=3, num_splits=1),
+    "row-blocks": make_case(6, t=4, h=32, kv_len=(150, 9)),  # 128 rows: two row blocks
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("triton_latent")
+    torch.save({name: args for name, (args, _) in CASES.items()}, folder / "cases.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "results.pt"),
+                           "latent_prefix_attention_triton"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
+    return torch.load(folder / "results.pt")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_latent_kernel_matches_float64_reference(interpreted, name):
+    args, (latent, rope) = CASES[name]
+    q, kv_len = args["q"], args["kv_len"]
+    out, lse = interpreted[name]
+    assert out.shape == (*q.shape[:3], latent.shape[-1]) and lse.shape == q.shape[:3]
+    keys = torch.cat([latent, rope], dim=-1)
+    allowed = (torch.arange(keys.shape[2])[None, :] < kv_len[:, None])[:, None, :].expand(-1, q.shape[2], -1)
+    ref_out, ref_lse = attention_float64(q, keys, latent, allowed, SCALE)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = kv_len == 0
+    assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.double()[~empty], ref_out[~empty], **tol["out"])
+    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], **tol["lse"])
+
+
+def test_the_op_on_cpu_is_the_reference_with_the_keys_side_by_side():
+    args, (latent, rope) = CASES["verify-fp32"]
+    kv_len = torch.tensor([150, 3, 77])
+    out, lse = latent_prefix_attention(args["q"], latent, rope, kv_len, SCALE)
+    keys = torch.cat([latent, rope], dim=-1)
+    allowed = (torch.arange(150)[None, :] < kv_len[:, None])[:, None, :].expand(-1, 4, -1)
+    ref_out, ref_lse = attention_float64(args["q"], keys, latent, allowed, SCALE)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("c, r, t, fits", [(512, 64, 1, True), (512, 64, 16, True), (512, 64, 17, False),
+                                           (500, 64, 1, False), (32, 8, 1, False)])
+def test_which_shapes_the_latent_kernel_takes(c, r, t, fits):
+    q = torch.empty(1, 16, t, c + r, dtype=torch.bfloat16)
+    assert latent_kernel_fits(q, torch.empty(1, 1, 8, c, dtype=torch.bfloat16), torch.empty(1, 1, 8, r)) == fits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_latent_kernel_matches_float64_reference_on_gpu(name):
+    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+
+    args, (latent, rope) = CASES[name]
+    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    out, lse = latent_prefix_attention_triton(**cuda)
+    q, kv_len = args["q"], args["kv_len"]
+    keys = torch.cat([latent, rope], dim=-1)
+    allowed = (torch.arange(keys.shape[2])[None, :] < kv_len[:, None])[:, None, :].expand(-1, q.shape[2], -1)
+    ref_out, ref_lse = attention_float64(q, keys, latent, allowed, SCALE)
+    empty = kv_len == 0
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.cpu().double()[~empty], ref_out[~empty], **tol["out"])
+    torch.testing.assert_close(lse.cpu().double()[~empty], ref_lse[~empty], **tol["lse"])
