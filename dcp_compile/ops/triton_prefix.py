@@ -374,7 +374,9 @@ def latent_prefix_attention_triton(
         )
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
-    block_s = block_s or max(16, min(64, STAGE_BYTES // ((C + R) * q.element_size())))
+    if block_s is None:  # a power of two (tl.arange), one stage of latent + rope tiles within STAGE_BYTES
+        fit = max(16, min(64, STAGE_BYTES // ((C + R) * q.element_size())))
+        block_s = 1 << (fit.bit_length() - 1)
     rows = min(MAX_ROWS, max(16, triton.next_power_of_2(H * T)))
     row_blocks = triton.cdiv(H * T, rows)
     if num_splits is None:

@@ -33,6 +33,8 @@ def make_case(seed, *, t=1, h=4, c=32, r=16, s=150, kv_len=(0, 150, 77), dtype=t
 
 CASES = {
     "decode-fp32": make_case(1),
+    # wide tiles: 544 x 4 bytes a slot leaves 30 slots a stage, rounded down to 16
+    "wide-fp32": make_case(7, c=512, r=32, s=70, kv_len=(70, 33)),
     "verify-fp32": make_case(2, t=4),
     "decode-bf16": make_case(3, dtype=torch.bfloat16),
     "splits": make_case(4, t=2, s=256, kv_len=(0, 256, 77), num_splits=8, block_s=16),
