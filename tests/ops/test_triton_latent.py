@@ -40,6 +40,11 @@ CASES = {
     "splits": make_case(4, t=2, s=256, kv_len=(0, 256, 77), num_splits=8, block_s=16),
     "one-split": make_case(5, t=3, num_splits=1),
     "row-blocks": make_case(6, t=4, h=32, kv_len=(150, 9)),  # 128 rows: two row blocks
+    # the head counts of a latent layer: 1, 16 (DeepSeek-V2-Lite) and 128 (V3); up to 16 tokens
+    "h1-t16": make_case(8, t=16, h=1, s=40, kv_len=(40, 0, 17)),
+    "h16-t1-bf16": make_case(9, t=1, h=16, s=40, kv_len=(40, 21), dtype=torch.bfloat16),
+    "h128-t1": make_case(10, t=1, h=128, s=40, kv_len=(33, 40)),
+    "h128-t4-bf16": make_case(11, t=4, h=128, s=24, kv_len=(24, 5), dtype=torch.bfloat16),
 }
 
 
