@@ -91,6 +91,28 @@ from T=64), while for B=1 this kernel stayed ahead up to T=256 (4x at T=32)."""
 
 
 @triton.jit
+def _softmax_step(scores, live, m, l):
+    """One block of the online softmax (base 2): masked scores -> ``(p, alpha, m_new,
+    l_new)``.  Every block holds a live slot, so ``m`` is finite after the first and
+    ``exp2(m - m_new)`` never sees -inf - -inf."""
+    scores = tl.where(live[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_d, row_ok):
+    """``acc / l`` and the natural-log lse of one program's rows; 0 and -inf where no slot was seen."""
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(O + o_rows[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(LSE + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _prefix_split_kernel(
     Q, K, V, KV_LEN, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -129,8 +151,6 @@ def _prefix_split_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS, D], tl.float32)
-    # Every iteration holds at least one slot below hi, so m is finite after the first
-    # one and exp2(m - m_new) never sees -inf - -inf.
     for start in range(lo, hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         live = offs_s < hi
@@ -138,21 +158,11 @@ def _prefix_split_kernel(
         v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None], other=0.0)
         # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
         scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
-        scores = tl.where(live[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _softmax_step(scores, live, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
 
-    seen = l > 0.0
-    l_safe = tl.where(seen, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log
-    o_rows = b * s_ob + head * s_oh + tok * s_ot + split * s_os
-    tl.store(O + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
-    tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt + split * s_ls, lse, mask=row_ok)
+    _store_partial(acc, m, l, O, LSE, b * s_ob + head * s_oh + tok * s_ot + split * s_os,
+                   b * s_lb + head * s_lh + tok * s_lt + split * s_ls, offs_d, row_ok)
 
 
 @triton.jit
@@ -325,21 +335,11 @@ def _latent_split_kernel(
         scores = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
         scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         scores = (scores * qk_scale).to(tl.float32)
-        scores = tl.where(live[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _softmax_step(scores, live, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-        m = m_new
 
-    seen = l > 0.0
-    l_safe = tl.where(seen, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    o_rows = b * s_ob + head * s_oh + tok * s_ot + split * s_os
-    tl.store(O + o_rows[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
-    tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt + split * s_ls, lse, mask=row_ok)
+    _store_partial(acc, m, l, O, LSE, b * s_ob + head * s_oh + tok * s_ot + split * s_os,
+                   b * s_lb + head * s_lh + tok * s_lt + split * s_ls, offs_c, row_ok)
 
 
 def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:

@@ -4,7 +4,6 @@ interpreter on CPU; slots at or past each length hold NaN, so a leak shows."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from dcp_compile.ops.attention import latent_prefix_attention
 from dcp_compile.ops.triton_prefix import latent_kernel_fits
 from tests.ops.test_attention import attention_float64
-from tests.ops.test_triton_prefix import TOLERANCE, WORKER
+from tests.ops.test_triton_prefix import WORKER, assert_matches_float64
 
 SCALE = 0.1
 
@@ -62,18 +61,9 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_latent_kernel_matches_float64_reference(interpreted, name):
     args, (latent, rope) = CASES[name]
-    q, kv_len = args["q"], args["kv_len"]
     out, lse = interpreted[name]
-    assert out.shape == (*q.shape[:3], latent.shape[-1]) and lse.shape == q.shape[:3]
-    keys = torch.cat([latent, rope], dim=-1)
-    allowed = (torch.arange(keys.shape[2])[None, :] < kv_len[:, None])[:, None, :].expand(-1, q.shape[2], -1)
-    ref_out, ref_lse = attention_float64(q, keys, latent, allowed, SCALE)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = kv_len == 0
-    assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
-    tol = TOLERANCE[q.dtype]
-    torch.testing.assert_close(out.double()[~empty], ref_out[~empty], **tol["out"])
-    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], **tol["lse"])
+    assert out.shape == (*args["q"].shape[:3], latent.shape[-1]) and lse.shape == args["q"].shape[:3]
+    assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
 
 
 def test_the_op_on_cpu_is_the_reference_with_the_keys_side_by_side():
@@ -100,13 +90,5 @@ def test_latent_kernel_matches_float64_reference_on_gpu(name):
     from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
 
     args, (latent, rope) = CASES[name]
-    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    out, lse = latent_prefix_attention_triton(**cuda)
-    q, kv_len = args["q"], args["kv_len"]
-    keys = torch.cat([latent, rope], dim=-1)
-    allowed = (torch.arange(keys.shape[2])[None, :] < kv_len[:, None])[:, None, :].expand(-1, q.shape[2], -1)
-    ref_out, ref_lse = attention_float64(q, keys, latent, allowed, SCALE)
-    empty = kv_len == 0
-    tol = TOLERANCE[q.dtype]
-    torch.testing.assert_close(out.cpu().double()[~empty], ref_out[~empty], **tol["out"])
-    torch.testing.assert_close(lse.cpu().double()[~empty], ref_lse[~empty], **tol["lse"])
+    out, lse = latent_prefix_attention_triton(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)

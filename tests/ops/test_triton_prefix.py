@@ -90,9 +90,14 @@ def interpreted(tmp_path_factory):
 def assert_matches_reference(out, lse, name):
     """Kernel output of case ``name`` against float64: empty rows exactly 0 / -inf, no NaN."""
     args, (k, v) = CASES[name]
-    q, kv_len = args["q"], args["kv_len"]
+    assert_matches_float64(out, lse, args["q"], k, v, args["kv_len"], SCALE)
+
+
+def assert_matches_float64(out, lse, q, k, v, kv_len, scale):
+    """A prefix kernel's ``(out, lse)`` against float64 attention over slots ``[0, kv_len)``."""
     allowed = (torch.arange(k.shape[2])[None, :] < kv_len[:, None])[:, None, :].expand(-1, q.shape[2], -1)
-    ref_out, ref_lse = attention_float64(q, k, v, allowed, SCALE)
+    ref_out, ref_lse = attention_float64(q, k, v, allowed, scale)
+    out, lse = out.cpu(), lse.cpu()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     empty = kv_len == 0
     assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
