@@ -1,8 +1,10 @@
 """Continuous batching over a ``SpecDecoder``: requests join and leave a running batch.
 
 ``SpecEngine.add_request`` queues a request, ``step`` admits queued requests into free
-rows (prefilling them while the running rows wait one step) and runs one speculative step
-for every running row, ``abort`` frees a row at the next step.  Shapes never change: a
+rows, feeds every row still prefilling its next prompt chunk (``prefill_chunks_per_step``,
+so a long prompt holds the running rows up one chunk a step, not its whole length) and
+runs one speculative step for every row whose prompt is in; ``abort`` frees a row at the
+next step.  Shapes never change: a
 newcomer's prefill is the decoder's ``[max_batch, chunk_size]`` chunk, a step is the
 decoder's step, so arrivals and departures neither recompile nor recapture.
 
@@ -62,6 +64,12 @@ class _Request:
     temperature: float
     tokens: list[int] = field(default_factory=list)
     row: int | None = None
+    fed: int = 0
+    """Prompt tokens already prefilled; the request decodes once all are."""
+
+    @property
+    def decoding(self) -> bool:
+        return self.fed == len(self.prompt)
 
 
 @dataclass
@@ -94,7 +102,11 @@ class SpecEngine:
     rank must make the same calls in the same order.
     """
 
-    def __init__(self, decoder: SpecDecoder, *, leader: bool = False):
+    def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1):
+        if prefill_chunks_per_step is not None and (not isinstance(prefill_chunks_per_step, int)
+                                                    or prefill_chunks_per_step < 1):
+            raise ValueError(f"prefill_chunks_per_step must be an int >= 1 or None, got {prefill_chunks_per_step!r}")
+        self.prefill_chunks_per_step = prefill_chunks_per_step
         self.decoder = decoder
         self.group = decoder.group
         self.device = decoder.device
@@ -266,7 +278,8 @@ class SpecEngine:
         self.requests.pop(request.id, None)
 
     def _live(self) -> list[bool]:
-        return [r is not None for r in self.rows]
+        """Rows decoding (their prompt all prefilled)."""
+        return [r is not None and r.decoding for r in self.rows]
 
     @torch.no_grad()
     def step(self) -> dict[int, StepEvent]:
@@ -295,25 +308,40 @@ class SpecEngine:
             events[request.id] = StepEvent(finished_by="aborted")
             self.stats["aborted"] += 1
             self._free(request)
-        if plan.admits:
-            self._admit(plan.admits, events)
+        for request in plan.admits:
+            self.rows[request.row] = request
+            self.noise.seed_row(request.row, request.params.seed)
+        self.stats["admitted"] += len(plan.admits)
+        if any(r is not None and not r.decoding for r in self.rows):
+            self._prefill(events)
         if any(self._live()):
             self._decode(events)
         self.stats["step_seconds"] += time.perf_counter() - start
         return events
 
-    def _admit(self, admits: list[_Request], events: dict[int, StepEvent]) -> None:
+    def _prefill(self, events: dict[int, StepEvent]) -> None:
+        """The next chunk(s) of every row still prefilling; the running rows wait only
+        that long.  A row whose prompt ends takes its first token and decodes from the
+        next step."""
         prompts: list[Sequence[int]] = [[0]] * self.B
-        admitted, temperature = [False] * self.B, [0.0] * self.B
-        for request in admits:
-            self.rows[request.row] = request
-            prompts[request.row], admitted[request.row] = request.prompt, True
-            temperature[request.row] = request.temperature
-            self.noise.seed_row(request.row, request.params.seed)
-        self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state)
-        self.stats["admitted"] += len(admits)
+        admitted, temperature, starts = [False] * self.B, [0.0] * self.B, [0] * self.B
+        filling = [r for r in self.rows if r is not None and not r.decoding]
+        for request in filling:
+            prompts[request.row], admitted[request.row] = request.prompt[request.fed:], True
+            temperature[request.row], starts[request.row] = request.temperature, request.fed
+        self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state, starts=starts,
+                                              max_chunks=self.prefill_chunks_per_step)
+        per_step = None if self.prefill_chunks_per_step is None else self.decoder.chunk_size * self.prefill_chunks_per_step
+        done = []
+        for request in filling:
+            left = len(request.prompt) - request.fed
+            request.fed += left if per_step is None else min(left, per_step)
+            if request.decoding:
+                done.append(request)
+        if not done:
+            return
         first = self.state.current.tolist()
-        for request in admits:
+        for request in done:
             event = events.setdefault(request.id, StepEvent())
             self._emit(request, [first[request.row]], event)
             if event.finished_by:
@@ -326,14 +354,14 @@ class SpecEngine:
     def _decode(self, events: dict[int, StepEvent]) -> None:
         state, live = self.state, self._live()
         state.active = torch.tensor(live, device=self.device)
-        state.sampling = any(r is not None and r.temperature > 0 for r in self.rows)
+        state.sampling = any(on and r.temperature > 0 for on, r in zip(live, self.rows))
         new_tokens, accepted, bonus = self.device_step.step(state, self.noise)
         # The one device-to-host copy of the step, with the commit and the draft queued.
         width = new_tokens.shape[1]
         host = torch.cat([new_tokens, accepted[:, None]], 1).tolist()
         self.stats["verify_steps"] += 1
-        for row, request in enumerate(self.rows):
-            if request is None:
+        for row, (request, on) in enumerate(zip(self.rows, live)):
+            if not on:
                 continue
             a = host[row][width]
             self.stats["accepted"] += a

@@ -309,9 +309,17 @@ class DeviceStep:
         return torch.where(sampled_rows, sample_from(q, noise), greedy), q
 
     def prefill(self, prompts: Sequence[Sequence[int]], admitted: Sequence[bool], temperature: Sequence[float],
-                noise: Noise, state: StepState | None = None) -> StepState:
+                noise: Noise, state: StepState | None = None, *, starts: Sequence[int] | None = None,
+                max_chunks: int | None = None) -> StepState:
         """Feed the ``admitted`` rows' prompts chunk by chunk through the target and then
         the draft, while the other rows keep what ``state`` holds for them.
+
+        ``starts``: row ``r``'s ``prompts[r]`` is the rest of a prompt whose first
+        ``starts[r]`` tokens are already in the caches (a prefill resumed).
+        ``max_chunks``: stop after that many chunks; a row whose prompt is not done then
+        has its length at the next chunk's first position (its later, ignored steps
+        write only slots that chunk overwrites before anything reads them), and only
+        the rows that ended take their first token.
 
         The draft's chunk reads the target's features of the same chunk and the token one
         ahead; at a row's last prompt position that token is the one just sampled, so the
@@ -327,11 +335,16 @@ class DeviceStep:
         admitted_t = torch.tensor(list(admitted), device=self.device)
         temperature_t = torch.tensor(list(temperature), dtype=torch.float32, device=self.device)
         sampling = any(t > 0 for t, a in zip(temperature, admitted) if a)
-        offsets = None if state is None else torch.where(admitted_t, 0, state.length + 1)
+        starts_t = torch.tensor(list(starts) if starts is not None else [0] * len(prompts), device=self.device)
+        offsets = torch.where(admitted_t, starts_t, 0 if state is None else state.length + 1)
         current = q_logits = hidden = None
         if state is not None:
             current, q_logits, hidden = state.current, state.q_logits, state.hidden
+        chunks_run = 0
         for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device, offsets=offsets):
+            if max_chunks is not None and chunks_run == max_chunks:
+                break
+            chunks_run += 1
             last = chunk.last[:, None]
             ends = chunk.ends & admitted_t
             logits, features = g.target_prefill(chunk.tokens, chunk.positions, last)
@@ -344,7 +357,8 @@ class DeviceStep:
             chunk_q, chunk_hidden = g.draft_forward(next_tokens, chunk.positions, features, last)
             q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends[:, None], chunk_q[:, 0], q_logits)
             hidden = chunk_hidden if hidden is None else torch.where(ends[:, None, None], chunk_hidden, hidden)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        fed = [min(len(p), chunks_run * self.chunk_size) for p in prompts]
+        lengths = starts_t + torch.tensor(fed, device=self.device)
         if state is None:
             return StepState(lengths, current, q_logits, hidden, admitted_t, temperature_t, sampling)
         state.length = torch.where(admitted_t, lengths, state.length)

@@ -136,3 +136,31 @@ def test_leader_mode_ranks_agree_and_match_the_static_batch(size):
     for rid in range(1, 5):
         assert rank0["tokens"][rid] == rank0["static"][rid]
     assert rank0["tokens"][0] == rank0["static"][0][: len(rank0["tokens"][0])]
+
+
+@pytest.mark.parametrize("chunks_per_step", [1, 2, None])
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(chunks_per_step):
+    target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=2)
+    decoder = dcp.SpecDecoder(target, draft, dcp.init_group("cpu"), k=3, max_batch=2, max_seq_len=96, chunk_size=4,
+                              lowering="aot_eager")
+    short, long = [1, 2, 3], [(7 * i) % 31 for i in range(19)]  # 19 tokens: five chunks of 4
+    alone = [decoder.generate([short], 60)[0].tokens, decoder.generate([long], 24)[0].tokens]
+    engine = SpecEngine(decoder, prefill_chunks_per_step=chunks_per_step)
+    first = engine.add_request(short, SamplingParams(max_new_tokens=60))
+    tokens, short_steps, second, first_long, step = {}, set(), None, None, 0
+    while engine.has_work() or second is None:
+        if step == 2:
+            second = engine.add_request(long, SamplingParams(max_new_tokens=24))
+        events = engine.step()
+        for rid, event in events.items():
+            tokens.setdefault(rid, []).extend(event.tokens)
+        if events.get(first) and events[first].tokens:
+            short_steps.add(step)
+        if first_long is None and second in tokens:
+            first_long = step
+        step += 1
+    assert tokens[first] == alone[0] and tokens[second] == alone[1]
+    # the long prompt takes its first token after ceil(5 chunks / chunks a step) steps of prefill ...
+    assert first_long == 2 + -(-5 // (chunks_per_step or 5)) - 1
+    # ... and the short request decodes in every one of them
+    assert set(range(first_long + 1)) <= short_steps

@@ -368,7 +368,8 @@ def engine_leader_worker(rank, size, prompts, arrivals, abort_at):
 
     group = dcp.init_group("cpu")
     target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=2)
-    decoder = dcp.SpecDecoder(target, draft, group, k=3, max_batch=2, max_seq_len=96, lowering="aot_eager")
+    # chunks of 4: the longer prompts prefill over several steps while the other row decodes
+    decoder = dcp.SpecDecoder(target, draft, group, k=3, max_batch=2, max_seq_len=96, chunk_size=4, lowering="aot_eager")
     engine = SpecEngine(decoder, leader=True)
     tokens, ends = {}, {}
     if rank == 0:
