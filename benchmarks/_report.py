@@ -52,3 +52,36 @@ def randomize(model):
             if not name.endswith("norm.weight"):
                 p.normal_(std=0.02)
     return model
+
+
+def log(message: str) -> None:
+    """A timestamped progress line on stderr (the JSON goes to stdout)."""
+    import time
+
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def median_ms(fn, reps: int, *, warmup: int = 0, cuda: bool = True) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones:
+    CUDA events around each call on a GPU, the host clock otherwise."""
+    import statistics
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,32 +71,17 @@ def server(args, requests) -> dict:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(args.server_log, "w")
-    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--dcp", str(args.dcp), "--device", args.device,
-               "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len)]
-    process = subprocess.Popen(command, stdout=log, stderr=log)
+    options = ["--dcp", str(args.dcp), "--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len",
+               str(args.max_seq_len)]
+    process = load_test.start_server(options, port, args.server_log, args.start_seconds)
     try:
-        deadline = time.monotonic() + args.start_seconds
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up: see {args.server_log}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
         # a first pass warms the server's prefill for every prompt width bucket
         asyncio.run(load_test.run_load(url, requests[: args.max_batch], args.concurrency))
         before = httpx.get(f"{url}/metrics").text
         runs = [asyncio.run(load_test.run_load(url, requests, args.concurrency))["summary"] for _ in range(args.reps)]
         after = httpx.get(f"{url}/metrics").text
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        load_test.stop_server(process)
     best = sorted(runs, key=lambda s: s["tokens_per_s"])[len(runs) // 2]
     pick = lambda text, name: next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))  # noqa: E731
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
 
 import torch
@@ -32,14 +31,10 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
-from _report import leave, parse_with_watchdog, randomize, report
+from _report import leave, log, median_ms, parse_with_watchdog, randomize, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128,
                     aux_layers=(1, 2, 3))
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def sync(device) -> None:
@@ -52,22 +47,14 @@ def graph_times(decoder, k: int, reps: int) -> dict:
     verify, commit, draft = decoder.graph_runners
     times = {}
 
-    def median_ms(graph) -> float:
-        samples = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        return statistics.median(samples)
+    def replay_ms(graph) -> float:
+        return median_ms(graph.replay, reps)
 
-    (times["verify"],) = [median_ms(c.graph) for c in verify.graphs.values()]
-    (times["commit"],) = [median_ms(c.graph) for c in commit.graphs.values()]
+    (times["verify"],) = [replay_ms(c.graph) for c in verify.graphs.values()]
+    (times["commit"],) = [replay_ms(c.graph) for c in commit.graphs.values()]
     for signature, captured in draft.graphs.items():
         tokens = signature[0][0][1]
-        times["draft_extend" if tokens > 1 else "draft_step"] = median_ms(captured.graph)
+        times["draft_extend" if tokens > 1 else "draft_step"] = replay_ms(captured.graph)
     times["step_sum"] = times["verify"] + times["commit"] + times["draft_extend"] + (k - 1) * times["draft_step"]
     return times
 

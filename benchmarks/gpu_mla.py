@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
@@ -28,9 +27,8 @@ import dcp_compile as dcp
 from dcp_compile.models.llama import init_weights
 from dcp_compile.models.mla import MLATransformer, deepseek_v2_lite_shape
 
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import log, median_ms  # noqa: E402
 
 
 def build(args, dtype, device):
@@ -78,23 +76,8 @@ def step_time(args, device, cascade: bool) -> float:
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     tokens = torch.zeros(cfg.max_batch, 1, dtype=torch.long, device=device)
     at = torch.full((cfg.max_batch, 1), args.context, device=device)
-    times = []
     with torch.no_grad():
-        for i in range(args.reps + 3):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                compiled(tokens, at)
-                end.record()
-                torch.cuda.synchronize()
-                elapsed = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                compiled(tokens, at)
-                elapsed = (time.perf_counter() - t0) * 1e3
-            if i >= 3:
-                times.append(elapsed)
-    return statistics.median(times)
+        return median_ms(lambda: compiled(tokens, at), args.reps, warmup=3, cuda=device.type == "cuda")
 
 
 def main() -> None:

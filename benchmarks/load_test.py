@@ -21,6 +21,45 @@ import time
 import httpx
 
 
+def start_server(options: list[str], port: int, log_path, start_seconds: float):
+    """``dcp-compile serve --port PORT OPTIONS`` in a subprocess, its output in ``log_path``;
+    returns the process once ``/health`` answers 200.  Raises with the log's tail if the
+    server exits or stays silent past ``start_seconds`` (it is killed then)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log_path = Path(log_path)
+    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--port", str(port), *options]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log)
+    deadline = time.monotonic() + start_seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the server did not come up in {start_seconds:.0f}s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(process, seconds: float = 60) -> None:
+    """SIGTERM (the server drains), then a kill if it is still there after ``seconds``."""
+    import signal
+    import subprocess
+
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

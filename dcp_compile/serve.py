@@ -204,10 +204,9 @@ class EngineThread:
                 completion.sent = safe
 
     def _take(self, block: bool, deadline: float | None) -> float | None:
-        timeout = HEARTBEAT_SECONDS if block else 0
         while True:
             try:
-                kind, value = self.inbox.get(block=block, timeout=timeout) if block else self.inbox.get_nowait()
+                kind, value = self.inbox.get(block=block, timeout=HEARTBEAT_SECONDS if block else None)
             except queue.Empty:
                 return deadline
             block = False

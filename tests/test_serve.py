@@ -24,30 +24,8 @@ START_SECONDS = 300
 
 
 def start_server(port: int, log: Path, *options: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--dcp", "2", "--port", str(port), "--max-batch",
-               str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--k", str(K), "--drain-seconds", "60", *options]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise RuntimeError(f"the server did not come up in {START_SECONDS}s:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    return load_test.start_server(["--dcp", "2", "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN),
+                                   "--k", str(K), "--drain-seconds", "60", *options], port, log, START_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +36,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     process = start_server(port, log)
     yield dict(url=f"http://127.0.0.1:{port}", process=process, log=log)
-    stop_server(process)
+    load_test.stop_server(process)
 
 
 @pytest.fixture(scope="module")

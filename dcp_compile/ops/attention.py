@@ -166,11 +166,16 @@ def _window_attention_fake(q, k_new, v_new, positions, scale):
     return q.new_empty((B, H, T, v_new.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 
 
+def latent_keys(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """MLA's keys: ``[B, 1, S, C]`` and ``[B, 1, S, R]`` -> ``[B, 1, S, C + R]``."""
+    return torch.cat([latent, rope.to(latent.dtype)], dim=-1)
+
+
 def latent_prefix_attention_reference(
     q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, kv_len: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``latent_prefix_attention`` in plain torch: the keys ``[latent | rope]`` side by side."""
-    return prefix_attention_reference(q, torch.cat([latent, rope.to(latent.dtype)], dim=-1), latent, kv_len, scale)
+    return prefix_attention_reference(q, latent_keys(latent, rope), latent, kv_len, scale)
 
 
 @torch.library.custom_op("dcp::latent_prefix_attention", mutates_args=())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.layout import KVLayout
+from dcp_compile.ops.attention import latent_keys  # noqa: F401  (the passes insert it from here)
 from dcp_compile.ops.merge import merge_with_window
 
 
@@ -65,10 +66,6 @@ def latent_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, perm: tuple[in
     with the latent and rope key side by side."""
     return torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1).permute(perm)
 
-
-def latent_keys(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, S, C]`` and ``[B, 1, S, R]`` -> the keys ``[B, 1, S, C + R]``."""
-    return torch.cat([latent, rope.to(latent.dtype)], dim=-1)
 
 
 def local_slots(positions: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:

@@ -217,6 +217,43 @@ def _splits_of(blocks: int, num_splits: int, block_s: int) -> tuple[int, int]:
     return triton.cdiv(blocks, split_blocks), split_blocks * block_s
 
 
+def _num_splits(q: torch.Tensor, kv_heads: int, row_blocks: int, capacity: int, block_s: int,
+                num_splits: int | None) -> int:
+    """Slices per sequence (and KV head): ``split_plan``'s, or the caller's, checked."""
+    B = int(q.shape[0])
+    if num_splits is None:
+        sm_count = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda" else DEFAULT_SM_COUNT
+        )
+        return split_plan(B, kv_heads, row_blocks, capacity, block_s, sm_count)[0]
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+    return _splits_of(triton.cdiv(max(capacity, 1), block_s), num_splits, block_s)[0]
+
+
+def _split_outputs(q: torch.Tensor, width: int, num_splits: int):
+    """``(out [B, H, T, width], lse [B, H, T], o_part, lse_part, o_strides, l_strides)``: with
+    one slice the split kernel writes the result itself (split stride 0); with more it
+    writes per-slice partials that ``_merge_splits`` folds into ``out`` and ``lse``."""
+    B, H, T = (int(n) for n in q.shape[:3])
+    out = torch.empty((B, H, T, width), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        return out, lse, out, lse, (*out.stride()[:3], 0), (*lse.stride(), 0)
+    o_part = torch.empty((B, H, T, num_splits, width), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((B, H, T, num_splits), device=q.device, dtype=torch.float32)
+    return out, lse, o_part, lse_part, o_part.stride()[:4], lse_part.stride()
+
+
+def _merge_splits(o_part, lse_part, out, lse, num_splits: int) -> None:
+    if num_splits > 1:
+        B, H, T, width = (int(n) for n in out.shape)
+        wrap_triton(_merge_splits_kernel)[(B * H * T,)](
+            o_part, lse_part, out, lse, num_splits, D=width, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+
+
 @triton_op("dcp::prefix_attention_triton", mutates_args=())
 def prefix_attention_triton(
     q: torch.Tensor,
@@ -248,29 +285,8 @@ def prefix_attention_triton(
         )
     rows = min(MAX_ROWS, max(16, triton.next_power_of_2(G * T)))
     row_blocks = triton.cdiv(G * T, rows)
-    if num_splits is None:
-        sm_count = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count
-            if q.device.type == "cuda" else DEFAULT_SM_COUNT
-        )
-        num_splits, _ = split_plan(B, Hkv, row_blocks, S, block_s, sm_count)
-    else:
-        if not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
-        num_splits, _ = _splits_of(triton.cdiv(max(S, 1), block_s), num_splits, block_s)
-
-    out = torch.empty((B, Hq, T, D), device=q.device, dtype=torch.float32)
-    lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
-    if num_splits == 1:
-        # One slice: the split kernel writes the result itself (split stride 0).
-        o_part, lse_part = out, lse
-        o_strides = (*out.stride()[:3], 0)
-        l_strides = (*lse.stride(), 0)
-    else:
-        o_part = torch.empty((B, Hq, T, num_splits, D), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((B, Hq, T, num_splits), device=q.device, dtype=torch.float32)
-        o_strides = o_part.stride()[:4]
-        l_strides = lse_part.stride()
+    num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, num_splits)
+    out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
     wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
         q, k_cache, v_cache, kv_len, o_part, lse_part,
         scale * 1.4426950408889634,
@@ -279,12 +295,7 @@ def prefix_attention_triton(
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if num_splits > 1:
-        wrap_triton(_merge_splits_kernel)[(B * Hq * T,)](
-            o_part, lse_part, out, lse, num_splits,
-            D=D, SPLITS=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+    _merge_splits(o_part, lse_part, out, lse, num_splits)
     return out, lse
 
 
@@ -379,23 +390,8 @@ def latent_prefix_attention_triton(
         block_s = 1 << (fit.bit_length() - 1)
     rows = min(MAX_ROWS, max(16, triton.next_power_of_2(H * T)))
     row_blocks = triton.cdiv(H * T, rows)
-    if num_splits is None:
-        sm_count = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count
-            if q.device.type == "cuda" else DEFAULT_SM_COUNT
-        )
-        num_splits, _ = split_plan(B, 1, row_blocks, S, block_s, sm_count)
-    else:
-        num_splits, _ = _splits_of(triton.cdiv(max(S, 1), block_s), max(1, min(num_splits, MAX_SPLITS)), block_s)
-    out = torch.empty((B, H, T, C), device=q.device, dtype=torch.float32)
-    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-    if num_splits == 1:
-        o_part, lse_part = out, lse
-        o_strides, l_strides = (*out.stride()[:3], 0), (*lse.stride(), 0)
-    else:
-        o_part = torch.empty((B, H, T, num_splits, C), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((B, H, T, num_splits), device=q.device, dtype=torch.float32)
-        o_strides, l_strides = o_part.stride()[:4], lse_part.stride()
+    num_splits = _num_splits(q, 1, row_blocks, S, block_s, num_splits)
+    out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
     wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](
         q, latent, rope, kv_len, o_part, lse_part,
         scale * 1.4426950408889634,
@@ -405,10 +401,7 @@ def latent_prefix_attention_triton(
         ROWS=rows, C=C, R=R, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=2,
     )
-    if num_splits > 1:
-        wrap_triton(_merge_splits_kernel)[(B * H * T,)](
-            o_part, lse_part, out, lse, num_splits, D=C, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+    _merge_splits(o_part, lse_part, out, lse, num_splits)
     return out, lse
 
 

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dcp_compile.runtime.spec import Noise, SpecDecoder, StepState
+from dcp_compile.runtime.spec import Noise, SpecDecoder, StepState, tokens_prefilled
 
 
 @dataclass(frozen=True)
@@ -331,11 +331,10 @@ class SpecEngine:
             temperature[request.row], starts[request.row] = request.temperature, request.fed
         self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state, starts=starts,
                                               max_chunks=self.prefill_chunks_per_step)
-        per_step = None if self.prefill_chunks_per_step is None else self.decoder.chunk_size * self.prefill_chunks_per_step
         done = []
         for request in filling:
-            left = len(request.prompt) - request.fed
-            request.fed += left if per_step is None else min(left, per_step)
+            request.fed += tokens_prefilled(len(request.prompt) - request.fed, self.decoder.chunk_size,
+                                            self.prefill_chunks_per_step)
             if request.decoding:
                 done.append(request)
         if not done:

@@ -88,6 +88,12 @@ def _probs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Ten
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+def tokens_prefilled(length: int, chunk_size: int, max_chunks: int | None) -> int:
+    """How many of ``length`` prompt tokens a prefill of at most ``max_chunks`` chunks
+    (``None``: all of them) feeds."""
+    return length if max_chunks is None else min(length, max_chunks * chunk_size)
+
+
 class Noise:
     """The sampler's random numbers, on the device.  One generator, seeded alike on every
     rank, serves the batch; a request with its own ``seed`` draws its row from a generator
@@ -340,11 +346,10 @@ class DeviceStep:
         current = q_logits = hidden = None
         if state is not None:
             current, q_logits, hidden = state.current, state.q_logits, state.hidden
-        chunks_run = 0
-        for chunk in prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device, offsets=offsets):
-            if max_chunks is not None and chunks_run == max_chunks:
+        for index, chunk in enumerate(prefill_chunks(prompts, self.chunk_size, self.max_seq_len, self.device,
+                                                     offsets=offsets)):
+            if index == max_chunks:
                 break
-            chunks_run += 1
             last = chunk.last[:, None]
             ends = chunk.ends & admitted_t
             logits, features = g.target_prefill(chunk.tokens, chunk.positions, last)
@@ -357,7 +362,7 @@ class DeviceStep:
             chunk_q, chunk_hidden = g.draft_forward(next_tokens, chunk.positions, features, last)
             q_logits = chunk_q[:, 0] if q_logits is None else torch.where(ends[:, None], chunk_q[:, 0], q_logits)
             hidden = chunk_hidden if hidden is None else torch.where(ends[:, None, None], chunk_hidden, hidden)
-        fed = [min(len(p), chunks_run * self.chunk_size) for p in prompts]
+        fed = [tokens_prefilled(len(p), self.chunk_size, max_chunks) for p in prompts]
         lengths = starts_t + torch.tensor(fed, device=self.device)
         if state is None:
             return StepState(lengths, current, q_logits, hidden, admitted_t, temperature_t, sampling)
