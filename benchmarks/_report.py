@@ -6,7 +6,9 @@ import argparse
 import faulthandler
 import json
 import os
+import statistics
 import sys
+import time
 
 
 def watchdog(seconds: float) -> None:
@@ -64,9 +66,6 @@ def log(message: str) -> None:
 def median_ms(fn, reps: int, *, warmup: int = 0, cuda: bool = True) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones:
     CUDA events around each call on a GPU, the host clock otherwise."""
-    import statistics
-    import time
-
     import torch
 
     for _ in range(warmup):
@@ -85,3 +84,70 @@ def median_ms(fn, reps: int, *, warmup: int = 0, cuda: bool = True) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+class Timer:
+    """Median seconds per call of a list of calls (one per copy of the inputs, so that
+    every call reads from HBM rather than from L2): CUDA graphs and events on a GPU."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int):
+        self.device, self.reps, self.warmup = device, reps, warmup
+
+    def prepare(self, calls, graph: bool = True) -> tuple:
+        """``(run, method)``: one launch of every call, as a captured CUDA graph where it can
+        (``measure`` warms it up)."""
+        import torch
+
+        for call in calls:  # compiles, autotunes, allocates
+            call()
+        if self.device.type != "cuda":
+            return (lambda: [c() for c in calls]), "perf_counter"
+        torch.cuda.synchronize()
+        if not graph:
+            return (lambda: [c() for c in calls]), "eager"
+        try:
+            captured = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for call in calls:
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(captured):
+                for call in calls:
+                    call()
+            return captured.replay, "cuda-graph"
+        except Exception as exc:  # noqa: BLE001 - fall back to eager launches, say so
+            torch.cuda.synchronize()
+            return (lambda: [c() for c in calls]), f"eager ({type(exc).__name__})"
+
+    def measure(self, run, calls: int) -> float:
+        """Median seconds per call over ``reps`` timed runs of ``run`` (after ``warmup``)."""
+        seconds = self._cpu_seconds if self.device.type != "cuda" else self._cuda_seconds
+        for _ in range(self.warmup):
+            run()
+        return statistics.median(seconds(run) for _ in range(self.reps)) / calls
+
+    @staticmethod
+    def _cuda_seconds(run) -> float:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    @staticmethod
+    def _cpu_seconds(run) -> float:
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+
+def short_error(exc: Exception) -> str:
+    """The exception's first line and, for wrapped compile errors, its innermost cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    causes = [line for line in lines[1:] if "Error" in line and not line.startswith("Set TORCH")]
+    return f"{type(exc).__name__}: " + " ... ".join([lines[0][:200]] + [c[:300] for c in causes[-1:]])

@@ -1,13 +1,28 @@
-"""End-to-end decode step time of a Llama-3-8B-shaped target: DCP=N against DCP=1.
+"""End-to-end decode step time of a Llama-3-8B-shaped or a DeepSeek-V2-Lite-shaped (MLA)
+target: DCP=N against DCP=1.
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     timeout -k 10 580 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --out $OUT/e2e.json
+    timeout -k 10 580 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --model v2lite \
+        --regional --contexts 32768,65536,131072,262144,524288 --batches 8,32 --verify-batches 8,32 \
+        --edge 32:262144 --out $OUT/e2e_mla.json
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --small   # CPU, gloo: checks the script
 
 Each (batch, T) point costs one 32-layer Inductor compile per arm (about 2.3 minutes on
-the H200 machines); ``--arms`` and ``--batches`` / ``--verify-batches`` choose what a
-call measures, and every measured step is logged as it comes (``plot_regime.py`` reads
-the log), so a run cut short keeps what it measured.
+the H200 machines); ``--regional`` compiles one decoder layer instead, whose graph
+every layer then runs (Dynamo reuses it: the layers differ only in their weights and
+caches, which are graph inputs), so a point costs one layer's compile.  The step is
+then the model's own ``forward`` over the compiled layers, captured whole in one CUDA
+graph as before; only the embedding, the final norm and the head run outside
+Inductor, alike in both arms.  ``--arms`` and ``--batches`` / ``--verify-batches``
+choose what a call measures, and every measured step is logged as it comes
+(``plot_regime.py`` reads the log), so a run cut short keeps what it measured.
+
+``--model v2lite``: DeepSeek-V2-Lite's attention (27 layers, hidden 2048, 16 heads,
+latent 512 + rope 64, no query low rank) with a dense SwiGLU MLP sized to its about
+2.4B active parameters, vocabulary 102400.  Each (batch, T) point measures the contexts
+of ``--contexts`` that one GPU's memory plan takes for that batch (the largest that fits
+included); ``--edge`` adds a point past the single-GPU edge, measured by DCP=N alone.
 
 Like for like: both arms run the same kernels.  The DCP=N arm is ``dcp.backend(group)``
 over N ranks; the DCP=1 arm is ``dcp.backend(group_of_one, cascade=True)`` on rank 0
@@ -41,16 +56,30 @@ import torch.distributed as dist
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
+from dcp_compile.models.mla import MLAConfig, MLATransformer, deepseek_v2_lite_shape
 from _report import leave, parse_with_watchdog, randomize, report
 
+CACHE_BUFFERS = ("k_cache", "v_cache", "kv_cache", "pe_cache")
 
-def target_config(small: bool, layers: int = 32) -> tuple[LlamaConfig, torch.device]:
-    """The benchmarks' target and its device: Llama-3-8B-shaped with ``layers`` layers on
-    this rank's GPU, or (``small``) a tiny model on CPU that checks the scripts."""
+
+def target_config(small: bool, layers: int | None = None, model: str = "llama8b"):
+    """The benchmarks' target config and its device: Llama-3-8B-shaped (32 layers) or
+    DeepSeek-V2-Lite-shaped (``model="v2lite"``, 27 layers) on this rank's GPU, or
+    (``small``) a tiny model of that kind on CPU that checks the scripts."""
+    if model not in ("llama8b", "v2lite"):
+        raise SystemExit(f"--model takes llama8b or v2lite, got {model!r}")
     if small:
-        return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128), \
-            torch.device("cpu")
-    cfg = dataclasses.replace(llama3_8b_shape(aux_layers=()), n_layers=layers)
+        if model == "v2lite":
+            cfg = MLAConfig(vocab_size=256, dim=64, n_layers=layers or 3, n_heads=4, kv_lora_rank=32,
+                            qk_rope_head_dim=16, intermediate_size=128)
+        else:
+            cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=layers or 2, n_heads=4, n_kv_heads=2,
+                              intermediate_size=128)
+        return cfg, torch.device("cpu")
+    if model == "v2lite":
+        cfg = deepseek_v2_lite_shape(n_layers=layers or 27)
+    else:
+        cfg = dataclasses.replace(llama3_8b_shape(aux_layers=()), n_layers=layers or 32)
     return cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
@@ -59,17 +88,20 @@ def log(rank: int, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def build(cfg: LlamaConfig, group, device, seed: int) -> Llama:
+def build(cfg, group, device, seed: int):
     torch.manual_seed(seed)
     dtype = dtype_for(device)
+    kind = MLATransformer if isinstance(cfg, MLAConfig) else Llama
     # Caches on meta: prepare allocates only this rank's shard, so a DCP=2 point past the
     # single-GPU edge never holds the whole cache, even for a moment.
-    model = randomize(Llama(cfg, dtype=dtype, device=device, cache_device="meta")).eval()
+    model = randomize(kind(cfg, dtype=dtype, device=device, cache_device="meta")).eval()
     dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
     with torch.no_grad():
-        for layer in model.layers:  # random K/V everywhere: timing must not read zeros
-            layer.attention.k_cache.normal_()
-            layer.attention.v_cache.normal_()
+        for layer in model.layers:  # random caches everywhere: timing must not read zeros
+            for name in CACHE_BUFFERS:
+                cache = getattr(layer.attention, name, None)
+                if cache is not None:
+                    cache.normal_()
     return model
 
 
@@ -132,13 +164,27 @@ def dtype_for(device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def step_timer(model, group, device, batch: int, tokens: int, reps: int, deterministic: bool | None = True):
-    """A function context -> median seconds of one target step of ``tokens`` new tokens per sequence."""
+def step_timer(model, group, device, batch: int, tokens: int, reps: int, deterministic: bool | None = True,
+               regional: bool = False):
+    """A function context -> median seconds of one target step of ``tokens`` new tokens per sequence.
+
+    ``regional``: each decoder layer is compiled (one graph, which every layer runs) and
+    the step is ``model.forward`` over them; the model's forward pre-hook, which lets a
+    sharded model run only through a whole ``dcp.backend`` graph, is passed by calling
+    ``forward`` itself: what it guards (every cache read and write) is inside the layers."""
     backend = dcp.backend(group, "target", cascade=group.size == 1, check_positions=False, lowering=lowering_for(device))
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    if regional:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)
+        compiled = model.forward
+    else:
+        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     token_ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), device=device)
     positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-    return replay_timer(lambda: compiled(token_ids, positions), positions, group, device, reps, deterministic)
+    timed = replay_timer(lambda: compiled(token_ids, positions), positions, group, device, reps, deterministic)
+    if regional and len(backend.compiled) != 1:
+        raise RuntimeError(f"regional compile: expected one layer graph for every layer, got {len(backend.compiled)}")
+    return timed
 
 
 def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, reps: int, seed: int) -> dict:
@@ -186,19 +232,33 @@ def measure_draft(cfg: LlamaConfig, device, batch: int, tokens: int, contexts, r
     return times
 
 
-def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed) -> dict:
-    """Step times of one (batch, tokens) graph at every context (and at 0), or
-    ``{"refused": why}`` if the memory plan refuses it."""
+def planner_for(cfg, device, batch: int, tokens: int, contexts) -> tuple:
+    """``(config sized for the point, its memory planner)``."""
     pcfg = dataclasses.replace(cfg, max_batch=batch, max_seq_len=max(contexts) + tokens + 64)
     planner = dcp.MemoryPlanner(pcfg, dcp.device_budget(device) if device.type == "cuda" else 1 << 40,
                                 verify_tokens=tokens if tokens > 1 else 0)
+    return pcfg, planner
+
+
+def contexts_one_gpu_takes(cfg, device, batch: int, tokens: int, contexts) -> list[int]:
+    """The contexts whose cache for ``batch`` sequences one GPU's memory plan takes; the
+    smallest alone if none fits (its DCP=1 arm is then refused and reported so)."""
+    _, planner = planner_for(cfg, device, batch, tokens, contexts)
+    fitting = [c for c in contexts if planner.plan(1, batch, c + tokens + 64).fits]
+    return fitting or sorted(contexts)[:1]
+
+
+def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed, regional=False) -> dict:
+    """Step times of one (batch, tokens) graph at every context (and at 0), or
+    ``{"refused": why}`` if the memory plan refuses it."""
+    pcfg, planner = planner_for(cfg, device, batch, tokens, contexts)
     try:
         planner.check(group.size, batch, pcfg.max_seq_len)
     except dcp.CapacityError as refusal:
         log(group.rank, f"size {group.size} batch {batch} T {tokens}: refused by the plan: {refusal}")
         return dict(refused=str(refusal))
     model = build(pcfg, group, device, seed)
-    timed = step_timer(model, group, device, batch, tokens, reps)
+    timed = step_timer(model, group, device, batch, tokens, reps, regional=regional)
     times = {}
     for context in (0, *contexts):
         times[context] = timed(context)
@@ -310,6 +370,10 @@ def main() -> None:
                         help="no measuring: print the tables from these runs' JSON (a --arms dcp run and --arms one runs)")
     parser.add_argument("--draft-only", action="store_true",
                         help="only the EAGLE3 draft's share of a speculative step, at each --verify-batches batch")
+    parser.add_argument("--model", default="llama8b", help="llama8b (Llama-3-8B-shaped) or v2lite (DeepSeek-V2-Lite-shaped MLA)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the model's own, 32 or 27)")
+    parser.add_argument("--regional", action="store_true",
+                        help="compile one decoder layer, which every layer runs, instead of the whole model")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
@@ -324,7 +388,10 @@ def main() -> None:
         report(dict(combined=args.combine, runs=summaries, rows=rows), args.out)
         return
     contexts = [48, 96] if args.small else [int(c) for c in args.contexts.split(",")]
-    cfg, device = target_config(args.small)
+    cfg, device = target_config(args.small, args.layers, args.model)
+    mla = isinstance(cfg, MLAConfig)
+    if args.draft_only and mla:
+        raise SystemExit("--draft-only measures the Llama target's EAGLE3 draft; the MLA model's draft is not timed here")
     if args.draft_only:
         draft = {int(b): measure_draft(cfg, device, int(b), args.verify_k + 1, contexts, args.reps, args.seed)
                  for b in args.verify_batches.split(",") if b}
@@ -334,8 +401,9 @@ def main() -> None:
     group = dcp.init_group(device)
     single_group = dcp.DCPGroup(1, 0, device, None)
     n = group.size
-    points = [(int(b), 1, contexts) for b in args.batches.split(",") if b]
-    points += [(int(b), args.verify_k + 1, contexts) for b in args.verify_batches.split(",") if b]
+    points = [(int(b), 1) for b in args.batches.split(",") if b]
+    points += [(int(b), args.verify_k + 1) for b in args.verify_batches.split(",") if b]
+    points = [(b, t, contexts_one_gpu_takes(cfg, device, b, t, contexts) if mla else contexts) for b, t in points]
     if args.edge and not args.small:
         batch, context = (int(x) for x in args.edge.split(":"))
         points.append((batch, 1, [context]))
@@ -351,11 +419,12 @@ def main() -> None:
             continue
         entry = dict(batch=batch, tokens=tokens, contexts=point_contexts)
         if "dcp" in arms:
-            entry["sharded"] = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed)
+            entry["sharded"] = measure_point(cfg, group, device, batch, tokens, point_contexts, args.reps, args.seed,
+                                             args.regional)
         if group.rank == 0 and "one" in arms:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
             entry["single"] = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps,
-                                            args.seed)
-            if tokens > 1 and "refused" not in entry["single"]:
+                                            args.seed, args.regional)
+            if tokens > 1 and "refused" not in entry["single"] and not mla:
                 entry["draft"] = measure_draft(cfg, device, batch, tokens, point_contexts, args.reps, args.seed)
         measured.append(entry)
         if n > 1:
@@ -364,7 +433,8 @@ def main() -> None:
         leave()
     summary = dict(dcp_size=n if "dcp" in arms else 1,
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   torch=torch.__version__, reps=args.reps, points=measured)
+                   torch=torch.__version__, triton=__import__("triton").__version__, model=args.model,
+                   layers=cfg.n_layers, regional=args.regional, reps=args.reps, points=measured)
     if arms == {"dcp", "one"} and n > 1:
         _, summary["rows"] = combine([summary])
         print_tables(summary["rows"], n, args.reps, args.verify_k)

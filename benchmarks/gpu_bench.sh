@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_bench.sh specloop          # one GPU: the speculative loop against its captured graphs
 #   bash benchmarks/gpu_bench.sh compile           # the demo's compile times: DCP=$NPROC cold, warm restart, DCP=1 cold
 #   bash benchmarks/gpu_bench.sh gatebf16 gatesampled  # `dcp-compile gate` at DCP=$NPROC, bf16, 256 prompts
+#   bash benchmarks/gpu_bench.sh mlasweep mlakernel    # one GPU: the latent kernel's tiles; it against einsum, SDPA, copy
+#   bash benchmarks/gpu_bench.sh mlagate mlae2e        # MLA: the bf16 gate at DCP=$NPROC (512 prompts, greedy and
+#                      # sampled); the V2-Lite-shaped decode/verify step at DCP=$NPROC against one GPU
 # Logs and JSON go to $OUT (default /tmp/out); the tables are printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -103,8 +106,18 @@ for what in "$@"; do
               --dtype bfloat16 --prompts 256 --json ;;
     gatesampled) single gatesampled "${GATE_SECONDS:-300}" python3 -m dcp_compile.cli gate --dcp "$NPROC" --device cuda \
               --dtype bfloat16 --prompts 256 --temperature 0.8 --json ;;
+    mlasweep) single mlasweep "${MLASWEEP_SECONDS:-300}" python3 benchmarks/bench_latent_kernel.py --sweep \
+              --out "$OUT/mla_sweep.json" ;;
+    mlakernel) single mlakernel "${MLAKERNEL_SECONDS:-240}" python3 benchmarks/bench_latent_kernel.py \
+              --out "$OUT/mla_kernel.json" ;;
+    mlagate) phase mlagate "${MLAGATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --target mla --prompts 512 \
+              --max-prompt 512 --max-batch 64 --json "$OUT/mla_gate.json" ;;
+    mlae2e) phase mlae2e "${MLAE2E_SECONDS:-480}" benchmarks/bench_e2e.py --model v2lite --regional \
+              --contexts 32768,65536,131072,262144,524288 --batches 8,32 --verify-batches 8,32 --edge 32:262144 \
+              --out "$OUT/mla_e2e.json" ${MLAE2E_ARGS:-} ;;
     *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo, gputests, prefillkernels,"\
-            "draft, prefill, long, specloop, compile, gatebf16, gatesampled)"; exit 2 ;;
+            "draft, prefill, long, specloop, compile, gatebf16, gatesampled, mlasweep, mlakernel, mlagate, mlae2e)"
+       exit 2 ;;
   esac
 done
 for what in "$@"; do

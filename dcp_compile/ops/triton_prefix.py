@@ -364,6 +364,23 @@ def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
     )
 
 
+LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4))
+"""What ``latent_prefix_attention_triton`` accepts as tile overrides (the sweep in
+``benchmarks/bench_latent_kernel.py`` tries these)."""
+
+
+def latent_tiles(rows_wanted: int, width: int, element_size: int) -> dict:
+    """The latent kernel's default tiles for ``rows_wanted = H * T`` query rows over
+    ``width = C + R`` numbers a slot: ``rows`` (query rows a program holds), ``block_s``
+    (slots a loop step), ``num_warps`` and ``num_stages``.
+
+    ``block_s`` keeps one stage of latent + rope tiles within ``STAGE_BYTES`` (a power of
+    two for ``tl.arange``): 32 slots of bf16 at 576 wide."""
+    fit = max(16, min(64, STAGE_BYTES // (width * element_size)))
+    return dict(rows=min(MAX_ROWS, max(16, triton.next_power_of_2(rows_wanted))), block_s=1 << (fit.bit_length() - 1),
+                num_warps=NUM_WARPS, num_stages=2)
+
+
 @triton_op("dcp::latent_prefix_attention_triton", mutates_args=())
 def latent_prefix_attention_triton(
     q: torch.Tensor,
@@ -373,10 +390,15 @@ def latent_prefix_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_s: int | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``latent_prefix_attention`` by the Triton kernels: ``q [B, H, T, C + R]`` over
     ``latent [B, 1, S, C]`` and ``rope [B, 1, S, R]``; ``(out fp32 [B, H, T, C], lse fp32
-    [B, H, T])``.  ``num_splits`` and ``block_s`` as for ``prefix_attention_triton``."""
+    [B, H, T])``.  ``num_splits`` as for ``prefix_attention_triton``; ``block_s``, ``rows``,
+    ``num_warps`` and ``num_stages`` override ``latent_tiles`` (values from
+    ``LATENT_TILE_CHOICES``), for tests and tuning."""
     if not latent_kernel_fits(q, latent, rope):
         raise ValueError(
             f"the latent kernel takes q [B, H, T <= {SPLIT_KV_MAX_TOKENS}, C + R], latent [B, 1, S, C] and rope "
@@ -385,12 +407,14 @@ def latent_prefix_attention_triton(
         )
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
-    if block_s is None:  # a power of two (tl.arange), one stage of latent + rope tiles within STAGE_BYTES
-        fit = max(16, min(64, STAGE_BYTES // ((C + R) * q.element_size())))
-        block_s = 1 << (fit.bit_length() - 1)
-    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(H * T)))
-    row_blocks = triton.cdiv(H * T, rows)
-    num_splits = _num_splits(q, 1, row_blocks, S, block_s, num_splits)
+    tiles = latent_tiles(H * T, C + R, q.element_size())
+    for name, value in (("block_s", block_s), ("rows", rows), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            if value not in LATENT_TILE_CHOICES[name]:
+                raise ValueError(f"{name} must be one of {LATENT_TILE_CHOICES[name]}, got {value}")
+            tiles[name] = value
+    row_blocks = triton.cdiv(H * T, tiles["rows"])
+    num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
     wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](
         q, latent, rope, kv_len, o_part, lse_part,
@@ -398,8 +422,9 @@ def latent_prefix_attention_triton(
         S, T, H, num_splits,
         *q.stride(), latent.stride(0), latent.stride(2), latent.stride(3), rope.stride(0), rope.stride(2),
         rope.stride(3), *o_strides, *l_strides,
-        ROWS=rows, C=C, R=R, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=2,
+        ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     return out, lse
