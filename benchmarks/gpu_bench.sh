@@ -111,7 +111,7 @@ for what in "$@"; do
     mlakernel) single mlakernel "${MLAKERNEL_SECONDS:-240}" python3 benchmarks/bench_latent_kernel.py \
               --out "$OUT/mla_kernel.json" ;;
     mlagate) phase mlagate "${MLAGATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --target mla --prompts 512 \
-              --max-prompt 512 --max-batch 64 --json "$OUT/mla_gate.json" ;;
+              --max-prompt 512 --max-batch 64 --json "$OUT/mla_gate.json" ${MLAGATE_ARGS:-} ;;
     mlae2e) phase mlae2e "${MLAE2E_SECONDS:-480}" benchmarks/bench_e2e.py --model v2lite --regional \
               --contexts 32768,65536,131072,262144,524288 --batches 8,32 --verify-batches 8,32 --edge 32:262144 \
               --out "$OUT/mla_e2e.json" ${MLAE2E_ARGS:-} ;;
