@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -265,6 +266,7 @@ def measure_point(cfg, group, device, batch, tokens, contexts, reps, seed, regio
         log(group.rank, f"size {group.size} batch {batch} T {tokens} context {context}: {times[context] * 1e3:.3f} ms")
     del model, timed
     torch._dynamo.reset()
+    gc.collect()  # compiled layers and their graphs hold the caches in reference cycles
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return times

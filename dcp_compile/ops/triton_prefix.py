@@ -369,16 +369,26 @@ LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_war
 ``benchmarks/bench_latent_kernel.py`` tries these)."""
 
 
+LATENT_STAGE_BYTES = 64 * (512 + 64) * 2
+"""One pipeline stage of the latent kernel: 64 slots of DeepSeek's bf16 latent + rope key."""
+
+
 def latent_tiles(rows_wanted: int, width: int, element_size: int) -> dict:
     """The latent kernel's default tiles for ``rows_wanted = H * T`` query rows over
     ``width = C + R`` numbers a slot: ``rows`` (query rows a program holds), ``block_s``
     (slots a loop step), ``num_warps`` and ``num_stages``.
 
-    ``block_s`` keeps one stage of latent + rope tiles within ``STAGE_BYTES`` (a power of
-    two for ``tl.arange``): 32 slots of bf16 at 576 wide."""
-    fit = max(16, min(64, STAGE_BYTES // (width * element_size)))
-    return dict(rows=min(MAX_ROWS, max(16, triton.next_power_of_2(rows_wanted))), block_s=1 << (fit.bit_length() - 1),
-                num_warps=NUM_WARPS, num_stages=2)
+    From the sweep on an H200 (bf16, C=512, R=64, ``bench_latent_kernel.py --sweep``,
+    BENCHMARKS.md): 16 rows (decode, H=16) are memory-bound and want loads in flight,
+    4 warps and 3 stages of 64 slots (3.81 TB/s against 1.73 for 8 warps and 2 stages
+    of 32); 64 rows (H=128, or H=16 x T=4) hold a 64 x 512 fp32 accumulator, so 8 warps
+    and 2 stages of 64 slots (268 TFLOP/s against 182).  32 rows take the 16-row
+    tiles (the best 32-row choice at H=16, T=4).  Wider slots or fp32 shrink ``block_s``
+    to keep a stage within ``LATENT_STAGE_BYTES``."""
+    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(rows_wanted)))
+    fit = max(16, min(64, LATENT_STAGE_BYTES // (width * element_size)))
+    warps, stages = (4, 3) if rows <= 32 else (8, 2)
+    return dict(rows=rows, block_s=1 << (fit.bit_length() - 1), num_warps=warps, num_stages=stages)
 
 
 @triton_op("dcp::latent_prefix_attention_triton", mutates_args=())

@@ -17,7 +17,7 @@ SCALE = 0.1
 
 
 def make_case(seed, *, t=1, h=4, c=32, r=16, s=150, kv_len=(0, 150, 77), dtype=torch.float32, num_splits=None,
-              block_s=None):
+              block_s=None, **tiles):
     gen = torch.Generator().manual_seed(seed)
     b = len(kv_len)
     q = torch.randn(b, h, t, c + r, generator=gen).to(dtype)
@@ -26,13 +26,13 @@ def make_case(seed, *, t=1, h=4, c=32, r=16, s=150, kv_len=(0, 150, 77), dtype=t
     lengths = torch.tensor(kv_len)
     unused = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, :, None]
     args = dict(q=q, latent=latent.masked_fill(unused, float("nan")), rope=rope.masked_fill(unused, float("nan")),
-                kv_len=lengths, scale=SCALE, num_splits=num_splits, block_s=block_s)
+                kv_len=lengths, scale=SCALE, num_splits=num_splits, block_s=block_s, **tiles)
     return args, (latent, rope)
 
 
 CASES = {
     "decode-fp32": make_case(1),
-    # wide tiles: 544 x 4 bytes a slot leaves 30 slots a stage, rounded down to 16
+    # wide tiles: 544 x 4 bytes a slot leaves 33 slots of a stage, rounded down to 32
     "wide-fp32": make_case(7, c=512, r=32, s=70, kv_len=(70, 33)),
     "verify-fp32": make_case(2, t=4),
     "decode-bf16": make_case(3, dtype=torch.bfloat16),
@@ -44,6 +44,9 @@ CASES = {
     "h16-t1-bf16": make_case(9, t=1, h=16, s=40, kv_len=(40, 21), dtype=torch.bfloat16),
     "h128-t1": make_case(10, t=1, h=128, s=40, kv_len=(33, 40)),
     "h128-t4-bf16": make_case(11, t=4, h=128, s=24, kv_len=(24, 5), dtype=torch.bfloat16),
+    # tiles other than the defaults: 32-row blocks over 64 query rows, a short last block of slots
+    "rows32-block64": make_case(12, t=2, h=32, s=200, kv_len=(200, 130, 1), dtype=torch.bfloat16, rows=32,
+                                block_s=64, num_warps=8, num_stages=2),
 }
 
 
@@ -82,6 +85,25 @@ def test_the_op_on_cpu_is_the_reference_with_the_keys_side_by_side():
 def test_which_shapes_the_latent_kernel_takes(c, r, t, fits):
     q = torch.empty(1, 16, t, c + r, dtype=torch.bfloat16)
     assert latent_kernel_fits(q, torch.empty(1, 1, 8, c, dtype=torch.bfloat16), torch.empty(1, 1, 8, r)) == fits
+
+
+@pytest.mark.parametrize("width, element_size", [(576, 2), (576, 4), (48, 4), (2112, 2), (80, 1)])
+@pytest.mark.parametrize("rows_wanted", [1, 16, 17, 32, 64, 128, 2048])
+def test_default_tiles_are_choices_the_kernel_takes_and_fit_a_stage(rows_wanted, width, element_size):
+    from dcp_compile.ops.triton_prefix import LATENT_STAGE_BYTES, LATENT_TILE_CHOICES, latent_tiles
+
+    tiles = latent_tiles(rows_wanted, width, element_size)
+    assert all(tiles[name] in choices for name, choices in LATENT_TILE_CHOICES.items())
+    assert tiles["rows"] >= min(rows_wanted, 64), "rows past 64 take more row blocks, never fewer rows than needed"
+    assert tiles["block_s"] == 16 or tiles["block_s"] * width * element_size <= LATENT_STAGE_BYTES
+
+
+def test_a_tile_override_outside_the_choices_is_refused():
+    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+
+    args, _ = make_case(13)
+    with pytest.raises(ValueError, match=r"num_stages must be one of \(1, 2, 3, 4\), got 5"):
+        latent_prefix_attention_triton(**{**args, "num_stages": 5})
 
 
 @pytest.mark.gpu
