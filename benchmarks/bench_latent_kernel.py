@@ -68,6 +68,9 @@ def parse_args():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the kernel under TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tiles at three points, not the arms")
     parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"))
+    parser.add_argument("--sweep-points", type=int, nargs="*", help="indices into SWEEP_POINTS (default: all)")
+    parser.add_argument("--sweep-tiles", nargs="*", default=(), metavar="NAME=V,V",
+                        help="replace a sweep dimension, e.g. num_warps=8,16 block_s=64,128")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
@@ -228,9 +231,15 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
     wanted = max(16, triton.next_power_of_2(heads * tokens))
     # 16 rows are the memory-bound tile; wider points try 32 and 64 (T is a runtime
     # argument, so H=16 T=4 reuses H=128's compiled kernels).
-    rows_choices = [16] if wanted == 16 else [r for r in LATENT_TILE_CHOICES["rows"] if 32 <= r <= wanted]
-    stages = SWEEP_STAGES["memory" if wanted == 16 else "compute"]
-    grid = itertools.product(rows_choices, (16, 32, 64), LATENT_TILE_CHOICES["num_warps"], stages)
+    dims = dict(rows=[16] if wanted == 16 else [r for r in LATENT_TILE_CHOICES["rows"] if 32 <= r <= wanted],
+                block_s=(16, 32, 64), num_warps=LATENT_TILE_CHOICES["num_warps"],
+                num_stages=SWEEP_STAGES["memory" if wanted == 16 else "compute"])
+    for text in ARGS.sweep_tiles:
+        name, _, values = text.partition("=")
+        if name not in dims:
+            raise SystemExit(f"--sweep-tiles takes {', '.join(dims)}=V,V...; got {text!r}")
+        dims[name] = [int(v) for v in values.split(",")]
+    grid = itertools.product(dims["rows"], dims["block_s"], dims["num_warps"], dims["num_stages"])
     results = []
     for rows, block_s, warps, stages in grid:
         tiles = dict(rows=rows, block_s=block_s, num_warps=warps, num_stages=stages)
@@ -321,6 +330,8 @@ def main() -> int:
         return 1
     if ARGS.sweep:
         points = SMOKE_POINTS[:1] if ARGS.smoke else SWEEP_POINTS
+        if ARGS.sweep_points is not None:
+            points = [points[i] for i in ARGS.sweep_points]
         sweeps = [sweep_point(*p, device, timer) for p in points]
         for s in sweeps:
             best = s["results"][0] if s["results"] else None

@@ -11,12 +11,7 @@ Rank 0 also runs the off arm (plain torch.compile semantics, group of size 1).  
 the token-identity rate, per-step accept-count identity, mean accept lengths, and the
 verdict of ``dcp_compile.gate.evaluate`` (the paired accept-length criterion in bf16).
 
-``--ranks-share-gpu``: every rank computes on ``cuda:0`` and the ranks exchange partials
-over gloo (through host memory) instead of NCCL, which needs a GPU per rank: the DCP
-arm's kernels, layout and merge are the same, only the transport differs, so a
-one-GPU machine can run the gate at DCP=N (no timing is taken from it).
-``--cuda-graphs``: the decoders capture their per-step calls (not the DCP arm under
-``--ranks-share-gpu``: a gloo collective cannot be captured).
+``--cuda-graphs``: the decoders capture their per-step calls.
 
 ``--target mla``: the MLA reference target with DeepSeek's latent widths (latent 512,
 rope key 64, 16 heads, so the GPU runs the Triton latent kernel) and an EAGLE3 draft
@@ -64,9 +59,8 @@ def decode(kind: str, group, device, temperature: float, dtype: torch.dtype, arg
         fixture.update(target="mla", mla_shape=MLA_SHAPE)
     target, draft = agreeing_pair(kind, **fixture)
     target, draft = target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
-    graphs = args.cuda_graphs and not (args.ranks_share_gpu and group.size > 1)
     decoder = SpecDecoder(target, draft, group, k=K, max_batch=rows, max_seq_len=max_seq_len,
-                          temperature=temperature, seed=5, lowering=args.lowering, cuda_graphs=graphs)
+                          temperature=temperature, seed=5, lowering=args.lowering, cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in lengths]
     start = time.perf_counter()
@@ -108,24 +102,15 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=0, help="random prompt lengths instead of the fixed eight")
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--ranks-share-gpu", action="store_true", help="every rank on cuda:0, partials over gloo")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture the decoders' per-step calls")
     args = parse_with_watchdog(parser)
-    if args.ranks_share_gpu:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(0)
-        dist.init_process_group("gloo")  # init_group reuses it
-        group = dcp.init_group(torch.device("cuda", 0))
-    else:
-        group = dcp.init_group()
+    group = dcp.init_group()
     device, dtype = group.device, getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = dict(dcp_size=group.size, gpu=gpu, torch=torch.__version__,
                   triton=__import__("triton").__version__, dtype=args.dtype, k=K, new_tokens=NEW_TOKENS,
                   target=args.target, mla_shape=MLA_SHAPE if args.target == "mla" else None,
-                  transport="gloo, every rank on cuda:0" if args.ranks_share_gpu else "nccl" if group.size > 1 else None,
-                  cuda_graphs=dict(dcp=args.cuda_graphs and not args.ranks_share_gpu, off=args.cuda_graphs),
+                  cuda_graphs=args.cuda_graphs,
                   prompt_lengths=prompt_lengths(args), arms={})
     arms = (("eagle3", 0.0), ("eagle3", 0.8)) if args.target == "mla" else (("eagle3", 0.0), ("eagle", 0.0), ("eagle3", 0.8))
     for kind, temperature in arms:

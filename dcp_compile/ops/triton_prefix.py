@@ -364,7 +364,7 @@ def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
     )
 
 
-LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4))
+LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8, 16), num_stages=(1, 2, 3, 4))
 """What ``latent_prefix_attention_triton`` accepts as tile overrides (the sweep in
 ``benchmarks/bench_latent_kernel.py`` tries these)."""
 
