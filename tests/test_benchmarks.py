@@ -95,3 +95,53 @@ def test_the_regime_plot_adds_refused_points_from_the_json(tmp_path):
         (2, 16): {131072: pytest.approx(30.5)},
     }
     assert refused == [(16, 131072)]
+
+
+def test_regional_compile_runs_every_layer_through_one_graph_and_matches_the_eager_model():
+    """bench_e2e --regional: one layer graph serves every layer of the MLA target, and the
+    step through the cascade (a group of one) equals the same model run eagerly."""
+    import dataclasses
+
+    import torch
+
+    import dcp_compile as dcp
+
+    cfg, device = bench_e2e.target_config(True, layers=3, model="v2lite")
+    cfg = dataclasses.replace(cfg, max_batch=2, max_seq_len=40)
+    group = dcp.DCPGroup(1, 0, device, None)
+    model = bench_e2e.build(cfg, group, device, seed=3)
+    eager = bench_e2e.build(cfg, group, device, seed=3)  # the same weights and random caches
+    timed = bench_e2e.step_timer(model, group, device, batch=2, tokens=1, reps=1, deterministic=None, regional=True)
+    assert timed(7) > 0
+    assert all(type(layer).__name__ == "OptimizedModule" for layer in model.layers)
+    with torch.no_grad():
+        for tokens, position in ((torch.tensor([[4], [6]]), 0), (torch.tensor([[1], [2]]), 7), (torch.tensor([[3], [5]]), 8)):
+            # 0 and 7 first: they rewrite the slots the compile and the timed steps wrote with their own tokens
+            positions = torch.full((2, 1), position)
+            torch.testing.assert_close(model.forward(tokens, positions), eager(tokens, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_the_latent_kernel_benchmark_runs_under_the_interpreter(tmp_path):
+    import subprocess
+
+    out = tmp_path / "latent.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_latent_kernel.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["correct"] is True
+    assert [(p["heads"], p["t"]) for p in result["points"]] == [(4, 1), (4, 4)]
+    for point in result["points"]:
+        assert {"ours", "einsum", "sdpa", "copy"} <= set(point["arms"])
+        assert all(arm["ms"] > 0 for arm in point["arms"].values())
+        assert point["arms"]["ours"]["tflops"] > 0 and "pct_copy" in point["arms"]["ours"]
+    (verify,) = result["verify"]
+    assert verify["t"] == 4 and verify["per_token_ms"] == pytest.approx(verify["verify_ms"] / 4)
+    swept = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_latent_kernel.py"), "--smoke", "--sweep",
+                           "--sweep-tiles", "block_s=16,64", "num_warps=4", "num_stages=2", "--out", str(swept)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sweep,) = json.loads(swept.read_text())["sweeps"]
+    assert [r["block_s"] for r in sorted(sweep["results"], key=lambda r: r["block_s"])] == [16, 64]
+    assert [r["ms"] for r in sweep["results"]] == sorted(r["ms"] for r in sweep["results"])
