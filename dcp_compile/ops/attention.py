@@ -192,3 +192,27 @@ def latent_prefix_attention(
 def _latent_prefix_attention_fake(q, latent, rope, kv_len, scale):
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, latent.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def latent_window_attention_reference(
+    q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latent_window_attention`` in plain torch: the keys ``[latent | rope]`` side by side."""
+    return window_attention_reference(q, latent_keys(latent, rope), latent, positions, scale)
+
+
+@torch.library.custom_op("dcp::latent_window_attention", mutates_args=())
+def latent_window_attention(
+    q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's window: ``q [B, H, T, C + R]`` over the ``T`` new tokens' latent ``[B, 1, T, C]``
+    and rope key ``[B, 1, T, R]``, the latent as values, causal by global position:
+    ``window_attention`` with keys ``[latent | rope]``, without building them."""
+    return latent_window_attention_reference(q, latent, rope, positions, scale)
+
+
+@latent_window_attention.register_fake
+def _latent_window_attention_fake(q, latent, rope, positions, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty((B, H, T, latent.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+

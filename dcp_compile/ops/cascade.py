@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.layout import KVLayout
-from dcp_compile.ops.attention import latent_keys  # noqa: F401  (the passes insert it from here)
 from dcp_compile.ops.merge import merge_with_window
 
 

@@ -63,7 +63,8 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
 from dcp_compile.ops.attention import (
-    latent_prefix_attention, latent_prefix_attention_reference, prefix_attention, prefix_attention_reference,
+    latent_prefix_attention, latent_prefix_attention_reference, latent_window_attention,
+    latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import check_inputs, prefix_flash_triton  # imports nothing of this module: no cycle
 
@@ -301,19 +302,26 @@ def prefix_attention_triton(
 
 @triton.jit
 def _latent_split_kernel(
-    Q, KV, PE, KV_LEN, O, LSE,
+    Q, KV, PE, KV_LEN, POS, O, LSE,
     qk_scale,  # softmax scale * log2(e)
     S, T, H, num_splits,
     s_qb, s_qh, s_qt, s_qd,
     s_cb, s_cs, s_cd,
     s_pb, s_ps, s_pd,
+    s_posb, s_post,
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """MLA's prefix: every query head against one latent head.  Scores add ``q[:C] .
     latent`` and ``q[C:] . rope_key``; the values are the latent tile already loaded for
-    the scores, so each slot's ``C + R`` numbers are read once."""
+    the scores, so each slot's ``C + R`` numbers are read once.
+
+    ``CAUSAL``: MLA's window instead, the ``S = T`` new tokens as keys, key ``s`` seen by
+    token ``t`` where ``POS[b, s] <= POS[b, t]``; ``KV_LEN`` is not read.  The wrapper
+    gives it one split and one block of slots, in which every token sees at least
+    itself, so no row's running max stays -inf."""
     split = tl.program_id(0)
     row_block = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -328,7 +336,12 @@ def _latent_split_kernel(
     q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
 
-    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+    if CAUSAL:
+        kv_len = S
+        # Padding rows see every key: their (discarded) softmax stays finite.
+        q_pos = tl.load(POS + b * s_posb + tok * s_post, mask=row_ok, other=2**62)
+    else:
+        kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
     split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
@@ -346,6 +359,9 @@ def _latent_split_kernel(
         scores = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
         scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         scores = (scores * qk_scale).to(tl.float32)
+        if CAUSAL:
+            k_pos = tl.load(POS + b * s_posb + offs_s * s_post, mask=live, other=2**62)
+            scores = tl.where(k_pos[None, :] <= q_pos[:, None], scores, float("-inf"))
         p, alpha, m, l = _softmax_step(scores, live, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
 
@@ -354,9 +370,9 @@ def _latent_split_kernel(
 
 
 def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
-    """Whether ``latent_prefix_attention_triton`` takes these shapes: power-of-two latent
-    and rope widths of at least 16 (``tl.dot``'s smallest), one cache head, a decode or
-    verify step's few tokens, a dtype the kernel loads."""
+    """Whether the latent kernel takes these shapes: power-of-two latent and rope widths
+    of at least 16 (``tl.dot``'s smallest), one cache head, a decode or verify step's few
+    tokens, a dtype the kernel loads."""
     C, R = int(latent.shape[-1]), int(rope.shape[-1])
     return (
         latent.shape[1] == 1 and rope.shape[1] == 1 and q.shape[-1] == C + R and q.dtype in SUPPORTED_DTYPES
@@ -365,10 +381,8 @@ def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
 
 
 LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8, 16), num_stages=(1, 2, 3, 4))
-"""What ``latent_prefix_attention_triton`` accepts as tile overrides (the sweep in
+"""What the latent kernel's wrappers accept as tile overrides (the sweep in
 ``benchmarks/bench_latent_kernel.py`` tries these)."""
-
-
 LATENT_STAGE_BYTES = 64 * (512 + 64) * 2
 """One pipeline stage of the latent kernel: 64 slots of DeepSeek's bf16 latent + rope key."""
 
@@ -382,13 +396,50 @@ def latent_tiles(rows_wanted: int, width: int, element_size: int) -> dict:
     BENCHMARKS.md): 16 rows (decode, H=16) are memory-bound and want loads in flight,
     4 warps and 3 stages of 64 slots (3.81 TB/s against 1.73 for 8 warps and 2 stages
     of 32); 64 rows (H=128, or H=16 x T=4) hold a 64 x 512 fp32 accumulator, so 8 warps
-    and 2 stages of 64 slots (268 TFLOP/s against 182).  32 rows take the 16-row
-    tiles (the best 32-row choice at H=16, T=4).  Wider slots or fp32 shrink ``block_s``
-    to keep a stage within ``LATENT_STAGE_BYTES``."""
+    and 2 stages of 64 slots (268 TFLOP/s against 182; 16 warps and 128-slot blocks did
+    worse).  32 rows take the 16-row tiles (the best 32-row choice at H=16, T=4).  Wider
+    slots or fp32 shrink ``block_s`` to keep a stage within ``LATENT_STAGE_BYTES``."""
     rows = min(MAX_ROWS, max(16, triton.next_power_of_2(rows_wanted)))
     fit = max(16, min(64, LATENT_STAGE_BYTES // (width * element_size)))
     warps, stages = (4, 3) if rows <= 32 else (8, 2)
     return dict(rows=rows, block_s=1 << (fit.bit_length() - 1), num_warps=warps, num_stages=stages)
+
+
+def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict):
+    """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``)."""
+    if not latent_kernel_fits(q, latent, rope):
+        raise ValueError(
+            f"the latent kernel takes q [B, H, T <= {SPLIT_KV_MAX_TOKENS}, C + R], latent [B, 1, S, C] and rope "
+            f"[B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
+            f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype}"
+        )
+    B, H, T, _ = (int(n) for n in q.shape)
+    S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
+    tiles = latent_tiles(H * T, C + R, q.element_size())
+    for name, value in overrides.items():
+        if value is not None:
+            if value not in LATENT_TILE_CHOICES[name]:
+                raise ValueError(f"{name} must be one of {LATENT_TILE_CHOICES[name]}, got {value}")
+            tiles[name] = value
+    causal = positions is not None
+    if causal:  # one block of slots holds the whole window (see the kernel)
+        tiles["block_s"], num_splits = max(16, triton.next_power_of_2(S)), 1
+    row_blocks = triton.cdiv(H * T, tiles["rows"])
+    num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits)
+    out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
+    index = positions if causal else kv_len
+    wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](
+        q, latent, rope, index, index, o_part, lse_part,
+        scale * 1.4426950408889634,
+        S, T, H, num_splits,
+        *q.stride(), latent.stride(0), latent.stride(2), latent.stride(3), rope.stride(0), rope.stride(2),
+        rope.stride(3), *(positions.stride() if causal else (0, 0)), *o_strides, *l_strides,
+        ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+    _merge_splits(o_part, lse_part, out, lse, num_splits)
+    return out, lse
 
 
 @triton_op("dcp::latent_prefix_attention_triton", mutates_args=())
@@ -409,51 +460,54 @@ def latent_prefix_attention_triton(
     [B, H, T])``.  ``num_splits`` as for ``prefix_attention_triton``; ``block_s``, ``rows``,
     ``num_warps`` and ``num_stages`` override ``latent_tiles`` (values from
     ``LATENT_TILE_CHOICES``), for tests and tuning."""
-    if not latent_kernel_fits(q, latent, rope):
+    return _latent_launch(q, latent, rope, kv_len, None, scale, num_splits,
+                          dict(block_s=block_s, rows=rows, num_warps=num_warps, num_stages=num_stages))
+
+
+@triton_op("dcp::latent_window_attention_triton", mutates_args=())
+def latent_window_attention_triton(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    rows: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latent_window_attention`` by the latent kernel: ``q [B, H, T, C + R]`` over the
+    new tokens' ``latent [B, 1, T, C]`` and ``rope [B, 1, T, R]``, causal by ``positions
+    [B, T]``; ``(out fp32 [B, H, T, C], lse fp32 [B, H, T])``."""
+    if latent.shape[2] != q.shape[2] or tuple(positions.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(
-            f"the latent kernel takes q [B, H, T <= {SPLIT_KV_MAX_TOKENS}, C + R], latent [B, 1, S, C] and rope "
-            f"[B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
-            f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype}"
+            f"the latent window takes T new tokens in q [B, H, T, .], latent [B, 1, T, C] and positions [B, T]; got "
+            f"{tuple(q.shape)}, {tuple(latent.shape)}, {tuple(positions.shape)}"
         )
-    B, H, T, _ = (int(n) for n in q.shape)
-    S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
-    tiles = latent_tiles(H * T, C + R, q.element_size())
-    for name, value in (("block_s", block_s), ("rows", rows), ("num_warps", num_warps), ("num_stages", num_stages)):
-        if value is not None:
-            if value not in LATENT_TILE_CHOICES[name]:
-                raise ValueError(f"{name} must be one of {LATENT_TILE_CHOICES[name]}, got {value}")
-            tiles[name] = value
-    row_blocks = triton.cdiv(H * T, tiles["rows"])
-    num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits)
-    out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
-    wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](
-        q, latent, rope, kv_len, o_part, lse_part,
-        scale * 1.4426950408889634,
-        S, T, H, num_splits,
-        *q.stride(), latent.stride(0), latent.stride(2), latent.stride(3), rope.stride(0), rope.stride(2),
-        rope.stride(3), *o_strides, *l_strides,
-        ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-    )
-    _merge_splits(o_part, lse_part, out, lse, num_splits)
-    return out, lse
+    return _latent_launch(q, latent, rope, None, positions, scale, None,
+                          dict(rows=rows, num_warps=num_warps, num_stages=num_stages))
 
 
-@latent_prefix_attention.register_kernel("cuda")
-def _latent_prefix_attention_cuda(q, latent, rope, kv_len, scale):
-    if latent_kernel_fits(q, latent, rope):
-        return latent_prefix_attention_triton(q, latent, rope, kv_len, scale)
-    return latent_prefix_attention_reference(q, latent, rope, kv_len, scale)
+def _register_latent(op, reference, kernel) -> None:
+    """CUDA calls of a latent op run its Triton kernel where the shapes fit (eagerly, and
+    inlined by Inductor through the functional dispatch), the reference otherwise."""
+
+    @op.register_kernel("cuda")
+    def _cuda(q, latent, rope, index, scale):
+        if latent_kernel_fits(q, latent, rope):
+            return kernel(q, latent, rope, index, scale)
+        return reference(q, latent, rope, index, scale)
+
+    @op.register_torch_dispatch(FunctionalTensorMode)
+    def _functional(mode, op_, types, args, kwargs):
+        q, latent, rope = (args[:3] if len(args) >= 3 else (kwargs["q"], kwargs["latent"], kwargs["rope"]))
+        if q.device.type != "cuda" or not latent_kernel_fits(q, latent, rope):
+            return mode.__torch_dispatch__(op_, types, args, kwargs)
+        with mode:
+            return kernel(*args, **kwargs)
 
 
-@latent_prefix_attention.register_torch_dispatch(FunctionalTensorMode)
-def _latent_prefix_attention_functional(mode, op, types, args, kwargs):
-    q, latent, rope = (args[:3] if len(args) >= 3 else (kwargs["q"], kwargs["latent"], kwargs["rope"]))
-    if q.device.type != "cuda" or not latent_kernel_fits(q, latent, rope):
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-    with mode:
-        return latent_prefix_attention_triton(*args, **kwargs)
+_register_latent(latent_prefix_attention, latent_prefix_attention_reference, latent_prefix_attention_triton)
+_register_latent(latent_window_attention, latent_window_attention_reference, latent_window_attention_triton)
 
 
 def _kernel_for(q: torch.Tensor):

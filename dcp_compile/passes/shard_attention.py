@@ -37,7 +37,7 @@ import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    cache_BHSD, join_heads, latent_keys, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
+    cache_BHSD, join_heads, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
     prefix_lengths, split_heads, window_allowed, window_kv, window_positions,
 )
 from dcp_compile.passes.find import AttentionSite, Plan
@@ -49,6 +49,7 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
 LATENT_PREFIX_ATTENTION = torch.ops.dcp.latent_prefix_attention.default
 WINDOW_ATTENTION = torch.ops.dcp.window_attention.default
+LATENT_WINDOW_ATTENTION = torch.ops.dcp.latent_window_attention.default
 COMMS = ("ag", "a2a")
 """How the partials meet: ``"ag"`` all-gathers every rank's ``[out | lse]`` and every
 rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of the
@@ -89,11 +90,9 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             # MLA: one key head [latent | rope key], the latent as the values.
             query = site.query if latent.rope_query is None else graph.call_function(
                 latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
-            new_latent, latent_cache = new_tokens(k_write), cache_view(k_write)
-            new_kv = [graph.call_function(latent_keys, (new_latent, new_tokens(latent.rope_write))), new_latent]
-            # The prefix reads the two caches where they lie (latent_prefix_attention); the
-            # few new tokens of the window are joined into keys.
-            caches = [latent_cache, cache_view(latent.rope_write)]
+            # The prefix and the window read the latent and the rope key where they lie.
+            new_kv = [new_tokens(k_write), new_tokens(latent.rope_write)]
+            caches = [cache_view(k_write), cache_view(latent.rope_write)]
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
         key_masks = site.mask.key_masks
         if key_masks and latent is not None:
@@ -112,6 +111,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         # The window attention is placed between each collective and its wait, so
         # it can run while the partials are in flight.
         def window_attention():
+            if latent is not None:
+                return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
             if not key_masks:
                 return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
             allowed = graph.call_function(window_allowed, (positions, *key_masks))

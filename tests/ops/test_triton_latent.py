@@ -114,3 +114,92 @@ def test_latent_kernel_matches_float64_reference_on_gpu(name):
     args, (latent, rope) = CASES[name]
     out, lse = latent_prefix_attention_triton(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
+
+
+def make_window_case(seed, *, t=4, h=4, c=32, r=16, positions=None, dtype=torch.float32, **tiles):
+    """The latent window: the new tokens' latent and rope key, causal by global position."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.tensor(positions if positions is not None else [[5 + i for i in range(t)], list(range(t))])
+    b = positions.shape[0]
+    q = torch.randn(b, h, t, c + r, generator=gen).to(dtype)
+    latent = torch.randn(b, 1, t, c, generator=gen).to(dtype)
+    rope = torch.randn(b, 1, t, r, generator=gen).to(dtype)
+    return dict(q=q, latent=latent, rope=rope, positions=positions, scale=SCALE, **tiles)
+
+
+WINDOW_CASES = {
+    "decode-fp32": make_window_case(20, t=1, positions=[[7], [0], [31]]),
+    "verify-fp32": make_window_case(21, t=4),
+    "verify-bf16": make_window_case(22, t=4, dtype=torch.bfloat16),
+    # positions need not be consecutive or increasing: a token sees what its position allows
+    "shuffled-fp32": make_window_case(23, t=5, positions=[[9, 3, 7, 3, 12], [0, 1, 2, 3, 4]]),
+    "h16-t16-bf16": make_window_case(24, t=16, h=16, c=512, r=64, positions=[list(range(40, 56))],
+                                     dtype=torch.bfloat16),
+    "h128-t2": make_window_case(25, t=2, h=128, positions=[[3, 4], [10, 11]]),
+    "h1-t3-rows32": make_window_case(26, t=3, h=1, positions=[[0, 1, 2]], rows=32, num_warps=4),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted_window(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("triton_latent_window")
+    torch.save(WINDOW_CASES, folder / "cases.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "results.pt"),
+                           "latent_window_attention_triton"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
+    return torch.load(folder / "results.pt")
+
+
+def window_float64(args):
+    positions = args["positions"]
+    keys = torch.cat([args["latent"], args["rope"]], dim=-1)
+    allowed = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
+    return attention_float64(args["q"], keys, args["latent"], allowed, SCALE)
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_latent_window_kernel_matches_float64_reference(interpreted_window, name):
+    from tests.ops.test_triton_prefix import TOLERANCE
+
+    args = WINDOW_CASES[name]
+    out, lse = interpreted_window[name]
+    ref_out, ref_lse = window_float64(args)
+    assert out.shape == ref_out.shape and not torch.isnan(out).any()
+    tol = TOLERANCE[args["q"].dtype]
+    torch.testing.assert_close(out.double(), ref_out, **tol["out"])
+    torch.testing.assert_close(lse.double(), ref_lse, **tol["lse"])
+
+
+def test_the_latent_window_op_on_cpu_is_the_window_over_the_keys_side_by_side():
+    from dcp_compile.ops.attention import latent_window_attention
+
+    args = WINDOW_CASES["shuffled-fp32"]
+    out, lse = latent_window_attention(args["q"], args["latent"], args["rope"], args["positions"], SCALE)
+    ref_out, ref_lse = window_float64(args)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_the_latent_window_kernel_refuses_a_window_of_another_length():
+    from dcp_compile.ops.triton_prefix import latent_window_attention_triton
+
+    args = dict(WINDOW_CASES["verify-fp32"])
+    args["latent"], args["rope"] = args["latent"][:, :, :3], args["rope"][:, :, :3]
+    with pytest.raises(ValueError, match=r"T new tokens in q \[B, H, T, \.\], latent \[B, 1, T, C\]"):
+        latent_window_attention_triton(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_latent_window_kernel_matches_float64_reference_on_gpu(name):
+    from dcp_compile.ops.triton_prefix import latent_window_attention_triton
+    from tests.ops.test_triton_prefix import TOLERANCE
+
+    args = WINDOW_CASES[name]
+    out, lse = latent_window_attention_triton(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                                                 for k, v in args.items()})
+    ref_out, ref_lse = window_float64(args)
+    tol = TOLERANCE[args["q"].dtype]
+    torch.testing.assert_close(out.cpu().double(), ref_out, **tol["out"])
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, **tol["lse"])
