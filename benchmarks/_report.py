@@ -151,3 +151,49 @@ def short_error(exc: Exception) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
     causes = [line for line in lines[1:] if "Error" in line and not line.startswith("Set TORCH")]
     return f"{type(exc).__name__}: " + " ... ".join([lines[0][:200]] + [c[:300] for c in causes[-1:]])
+
+
+def copy_arms(timer: Timer, device, nbytes: int, cold_bytes: int, cap_bytes: int) -> tuple[int, dict]:
+    """The HBM copy ceiling for ``nbytes`` of data (at most ``cap_bytes``):
+    ``(bytes copied per call, {"copy/<method>": (run, calls, method)})``, the copy as a
+    captured graph and as eager launches (report the faster: on the H200 a graph of one
+    memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s where eager copies and graphs of several
+    smaller copies ran at ~4.2 TB/s), over enough pairs that a run moves ``cold_bytes``."""
+    import math
+
+    import torch
+
+    copy_bytes = min(nbytes, cap_bytes)
+    n_pairs = max(1, math.ceil(cold_bytes / copy_bytes)) if device.type == "cuda" else 1
+    pairs = [(torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_(),
+              torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_pairs)]
+    calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
+    arms = {}
+    for graph in (True, False):
+        run, method = timer.prepare(calls, graph=graph)
+        arms[f"copy/{method}"] = (run, len(calls), method)
+    return copy_bytes, arms
+
+
+def timed_rounds(prepared: dict, timer: Timer, rounds: int) -> dict:
+    """``{name: (median seconds a call over the rounds, [seconds a call, each round])}``:
+    every prepared ``(run, calls, method)`` once per round, so drift in the GPU's clocks
+    over the run hits every arm alike."""
+    samples = {name: [] for name in prepared}
+    for _ in range(rounds):
+        for name, (run, calls, _method) in prepared.items():
+            samples[name].append(timer.measure(run, calls))
+    return {name: (statistics.median(r), r) for name, r in samples.items()}
+
+
+def kilo(n: int) -> str:
+    """A context length as the tables print it: ``32K``, or the number."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def cell(arm: dict, key: str, fmt: str) -> str:
+    """One table cell of an arm's result: the value, ``fail`` for an error, ``-`` if skipped."""
+    if key in arm:
+        return fmt.format(arm[key])
+    return "fail" if "error" in arm and not arm["error"].startswith("skipped") else "-"
+

@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,7 +98,7 @@ import triton  # noqa: E402
 
 from dcp_compile.ops import attention_with_lse, prefix_attention_triton  # noqa: E402
 from dcp_compile.ops import triton_prefix  # noqa: E402
-from _report import Timer, short_error  # noqa: E402
+from _report import Timer, cell, copy_arms, kilo, short_error, timed_rounds  # noqa: E402
 
 
 def ours_fn(device):
@@ -209,25 +208,12 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
                 torch.cuda.synchronize()
     copy_bytes = min(kv_bytes, COPY_CAP_BYTES)
     if "copy" in ARGS.arms:
-        # The copy ceiling: a graph and eager launches, the faster counts.  On the H200 a
-        # graph of one memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s where eager copies and
-        # graphs of several smaller copies ran at ~4.2 TB/s.
-        n_pairs = max(1, math.ceil(COLD_BYTES / copy_bytes)) if device.type == "cuda" else 1
-        pairs = [(torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_(),
-                  torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_pairs)]
-        copy_calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
-        for graph in (True, False):
-            run, method = timer.prepare(copy_calls, graph=graph)
-            prepared[f"copy/{method}"] = (run, len(copy_calls), method)
-    rounds = {name: [] for name in prepared}
-    for _ in range(ARGS.rounds):
-        for name, (run, calls, _method) in prepared.items():
-            rounds[name].append(timer.measure(run, calls))
-    for name, (_run, _calls, method) in prepared.items():
-        seconds = statistics.median(rounds[name])
+        copy_bytes, copies_prepared = copy_arms(timer, device, kv_bytes, COLD_BYTES, COPY_CAP_BYTES)
+        prepared.update(copies_prepared)
+    for name, (seconds, rounds) in timed_rounds(prepared, timer, ARGS.rounds).items():
         moved = 2 * copy_bytes if name.startswith("copy/") else kv_bytes
-        point["arms"][name] = dict(ms=seconds * 1e3, tbps=moved / seconds / 1e12, method=method,
-                                   round_ms=[r * 1e3 for r in rounds[name]])
+        point["arms"][name] = dict(ms=seconds * 1e3, tbps=moved / seconds / 1e12, method=prepared[name][2],
+                                   round_ms=[r * 1e3 for r in rounds])
     copy_runs = {n: point["arms"].pop(n) for n in list(point["arms"]) if n.startswith("copy/")}
     if copy_runs:
         best = max(copy_runs.values(), key=lambda arm: arm["tbps"])
@@ -243,19 +229,10 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
     return point
 
 
-def kilo(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def table(points) -> str:
     head = ("| B | context | T | KV GB | splits | ours ms | ours TB/s | ours % copy | SDPA TB/s | SDPA % copy "
             "| flex TB/s | copy TB/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-
-    def cell(arm, key, fmt):
-        if key in arm:
-            return fmt.format(arm[key])
-        return "fail" if "error" in arm and not arm["error"].startswith("skipped") else "-"
 
     for p in points:
         a = p["arms"]

@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,7 +88,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from _report import Timer, short_error  # noqa: E402
+from _report import Timer, cell, copy_arms, kilo, short_error, timed_rounds  # noqa: E402
 from dcp_compile.ops import latent_prefix_attention_triton  # noqa: E402
 from dcp_compile.ops.attention import latent_prefix_attention_reference  # noqa: E402
 from dcp_compile.ops.triton_prefix import LATENT_TILE_CHOICES, latent_tiles  # noqa: E402
@@ -144,15 +143,6 @@ def check_kernel(device) -> bool:
     return ok
 
 
-def timed_rounds(prepared: dict, timer: Timer) -> dict:
-    """``{name: (median ms over rounds, [round ms])}``, every arm once per round."""
-    rounds = {name: [] for name in prepared}
-    for _ in range(ARGS.rounds):
-        for name, (run, calls, _method) in prepared.items():
-            rounds[name].append(timer.measure(run, calls) * 1e3)
-    return {name: (statistics.median(r), r) for name, r in rounds.items()}
-
-
 def run_point(batch, heads, tokens, context, device, timer) -> dict:
     cache_bytes = batch * context * (C + R) * 2
     point = dict(batch=batch, heads=heads, t=tokens, context=context, cache_bytes=cache_bytes,
@@ -191,16 +181,12 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
                 torch.cuda.empty_cache()
     copy_bytes = min(cache_bytes, COPY_CAP_BYTES)
     if "copy" in ARGS.arms:
-        n_pairs = max(1, math.ceil(COLD_BYTES / copy_bytes)) if device.type == "cuda" else 1
-        pairs = [(torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_(),
-                  torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_pairs)]
-        copy_calls = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
-        for graph in (True, False):
-            run, method = timer.prepare(copy_calls, graph=graph)
-            prepared[f"copy/{method}"] = (run, len(copy_calls), method)
-    for name, (ms, rounds) in timed_rounds(prepared, timer).items():
+        copy_bytes, copies_prepared = copy_arms(timer, device, cache_bytes, COLD_BYTES, COPY_CAP_BYTES)
+        prepared.update(copies_prepared)
+    for name, (seconds, rounds) in timed_rounds(prepared, timer, ARGS.rounds).items():
+        ms = seconds * 1e3
         moved = 2 * copy_bytes if name.startswith("copy/") else cache_bytes
-        arm = dict(ms=ms, tbps=moved / ms / 1e9, method=prepared[name][2], round_ms=rounds)
+        arm = dict(ms=ms, tbps=moved / ms / 1e9, method=prepared[name][2], round_ms=[r * 1e3 for r in rounds])
         if not name.startswith("copy/"):
             arm["tflops"] = flops(batch, heads, tokens, context) / ms / 1e9
         point["arms"][name] = arm
@@ -265,19 +251,10 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
                 failed=[r for r in results if "error" in r])
 
 
-def kilo(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def table(points) -> str:
     head = ("| B | H | T | context | cache GB | ours ms | ours TB/s | ours % copy | ours TFLOP/s | einsum ms "
             "| einsum TB/s | einsum TFLOP/s | ours / einsum speed | SDPA ms | copy TB/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-
-    def cell(arm, key, fmt):
-        if key in arm:
-            return fmt.format(arm[key])
-        return "fail" if "error" in arm and not arm["error"].startswith("skipped") else "-"
 
     for p in points:
         o, e, s, c = (p["arms"].get(n, {}) for n in ("ours", "einsum", "sdpa", "copy"))

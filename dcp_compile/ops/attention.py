@@ -188,10 +188,13 @@ def latent_prefix_attention(
     return latent_prefix_attention_reference(q, latent, rope, kv_len, scale)
 
 
-@latent_prefix_attention.register_fake
-def _latent_prefix_attention_fake(q, latent, rope, kv_len, scale):
+def _latent_fake(q, latent, rope, lengths_or_positions, scale):
+    """Both latent ops' outputs: ``(out fp32 [B, H, T, C], lse fp32 [B, H, T])``."""
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, latent.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+latent_prefix_attention.register_fake(_latent_fake)
 
 
 def latent_window_attention_reference(
@@ -211,8 +214,5 @@ def latent_window_attention(
     return latent_window_attention_reference(q, latent, rope, positions, scale)
 
 
-@latent_window_attention.register_fake
-def _latent_window_attention_fake(q, latent, rope, positions, scale):
-    B, H, T, _ = q.shape
-    return q.new_empty((B, H, T, latent.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+latent_window_attention.register_fake(_latent_fake)
 
