@@ -104,6 +104,19 @@ def _softmax_step(scores, live, m, l):
 
 
 @triton.jit
+def _masked_softmax_step(scores, visible, m, l):
+    """``_softmax_step`` for a 2-D mask under which a row may see no slot of a block
+    (a causal window cut into blocks): such a row keeps ``m = -inf`` and adds nothing,
+    where ``exp2(-inf - -inf)`` would be NaN."""
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - shift)
+    p = tl.exp2(scores - shift[:, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_d, row_ok):
     """``acc / l`` and the natural-log lse of one program's rows; 0 and -inf where no slot was seen."""
     seen = l > 0.0
@@ -319,9 +332,12 @@ def _latent_split_kernel(
     the scores, so each slot's ``C + R`` numbers are read once.
 
     ``CAUSAL``: MLA's window instead, the ``S = T`` new tokens as keys, key ``s`` seen by
-    token ``t`` where ``POS[b, s] <= POS[b, t]``; ``KV_LEN`` is not read.  The wrapper
-    gives it one split and one block of slots, in which every token sees at least
-    itself, so no row's running max stays -inf."""
+    token ``t`` where ``POS[b, s] <= POS[b, t]``; ``KV_LEN`` is not read.  Positions may
+    come in any order, so a row may see nothing in a block: the masked softmax step.
+
+    Rows are (head, token) pairs, ``ROWS`` of them a program: at decode all heads of a
+    sequence share each load; for a prefill chunk of ``T`` tokens a program holds
+    ``ROWS`` consecutive tokens of one head, a flash-attention tile."""
     split = tl.program_id(0)
     row_block = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -361,22 +377,29 @@ def _latent_split_kernel(
         scores = (scores * qk_scale).to(tl.float32)
         if CAUSAL:
             k_pos = tl.load(POS + b * s_posb + offs_s * s_post, mask=live, other=2**62)
-            scores = tl.where(k_pos[None, :] <= q_pos[:, None], scores, float("-inf"))
-        p, alpha, m, l = _softmax_step(scores, live, m, l)
+            visible = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            p, alpha, m, l = _masked_softmax_step(scores, visible, m, l)
+        else:
+            p, alpha, m, l = _softmax_step(scores, live, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
 
     _store_partial(acc, m, l, O, LSE, b * s_ob + head * s_oh + tok * s_ot + split * s_os,
                    b * s_lb + head * s_lh + tok * s_lt + split * s_ls, offs_c, row_ok)
 
 
+MAX_GRID_Y = 65535
+"""CUDA's limit on the grid's second axis, which counts the latent kernel's row blocks."""
+
+
 def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
     """Whether the latent kernel takes these shapes: power-of-two latent and rope widths
-    of at least 16 (``tl.dot``'s smallest), one cache head, a decode or verify step's few
-    tokens, a dtype the kernel loads."""
+    of at least 16 (``tl.dot``'s smallest), one cache head, a dtype the kernel loads,
+    and at most ``MAX_GRID_Y`` blocks of ``MAX_ROWS`` query rows (heads x tokens)."""
     C, R = int(latent.shape[-1]), int(rope.shape[-1])
     return (
         latent.shape[1] == 1 and rope.shape[1] == 1 and q.shape[-1] == C + R and q.dtype in SUPPORTED_DTYPES
-        and all(w >= 16 and w & (w - 1) == 0 for w in (C, R)) and q.shape[2] <= SPLIT_KV_MAX_TOKENS
+        and all(w >= 16 and w & (w - 1) == 0 for w in (C, R))
+        and triton.cdiv(int(q.shape[1]) * int(q.shape[2]), MAX_ROWS) <= MAX_GRID_Y
     )
 
 
@@ -409,9 +432,9 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
     """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``)."""
     if not latent_kernel_fits(q, latent, rope):
         raise ValueError(
-            f"the latent kernel takes q [B, H, T <= {SPLIT_KV_MAX_TOKENS}, C + R], latent [B, 1, S, C] and rope "
-            f"[B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
-            f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype}"
+            f"the latent kernel takes q [B, H, T, C + R] with H * T <= {MAX_GRID_Y * MAX_ROWS}, latent [B, 1, S, C] "
+            f"and rope [B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
+            f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype} (a prefill chunk this large: use smaller chunks)"
         )
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
@@ -422,9 +445,12 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
                 raise ValueError(f"{name} must be one of {LATENT_TILE_CHOICES[name]}, got {value}")
             tiles[name] = value
     causal = positions is not None
-    if causal:  # one block of slots holds the whole window (see the kernel)
-        tiles["block_s"], num_splits = max(16, triton.next_power_of_2(S)), 1
+    if causal:  # the window is short next to a prefix: its rows' blocks fill the GPU unsplit
+        num_splits = 1
     row_blocks = triton.cdiv(H * T, tiles["rows"])
+    if row_blocks > MAX_GRID_Y:
+        raise ValueError(f"{H} heads x {T} tokens make {row_blocks} blocks of rows={tiles['rows']}, more than the "
+                         f"grid's {MAX_GRID_Y}: take more rows a block, or prefill in smaller chunks")
     num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
     index = positions if causal else kv_len
@@ -471,20 +497,22 @@ def latent_window_attention_triton(
     rope: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    block_s: int | None = None,
     rows: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``latent_window_attention`` by the latent kernel: ``q [B, H, T, C + R]`` over the
     new tokens' ``latent [B, 1, T, C]`` and ``rope [B, 1, T, R]``, causal by ``positions
-    [B, T]``; ``(out fp32 [B, H, T, C], lse fp32 [B, H, T])``."""
+    [B, T]``; ``(out fp32 [B, H, T, C], lse fp32 [B, H, T])``.  Tile overrides as for
+    ``latent_prefix_attention_triton``."""
     if latent.shape[2] != q.shape[2] or tuple(positions.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(
             f"the latent window takes T new tokens in q [B, H, T, .], latent [B, 1, T, C] and positions [B, T]; got "
             f"{tuple(q.shape)}, {tuple(latent.shape)}, {tuple(positions.shape)}"
         )
     return _latent_launch(q, latent, rope, None, positions, scale, None,
-                          dict(rows=rows, num_warps=num_warps, num_stages=num_stages))
+                          dict(block_s=block_s, rows=rows, num_warps=num_warps, num_stages=num_stages))
 
 
 def _register_latent(op, reference, kernel) -> None:

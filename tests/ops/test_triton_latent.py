@@ -44,6 +44,9 @@ CASES = {
     "h16-t1-bf16": make_case(9, t=1, h=16, s=40, kv_len=(40, 21), dtype=torch.bfloat16),
     "h128-t1": make_case(10, t=1, h=128, s=40, kv_len=(33, 40)),
     "h128-t4-bf16": make_case(11, t=4, h=128, s=24, kv_len=(24, 5), dtype=torch.bfloat16),
+    # a prefill chunk: 40 tokens x 4 heads, blocks of 64 rows each holding one head's tokens
+    "prefill-t40-bf16": make_case(14, t=40, h=4, s=200, kv_len=(200, 0, 131), dtype=torch.bfloat16),
+    "prefill-t70-fp32": make_case(15, t=70, h=2, s=90, kv_len=(90, 64, 1)),
     # tiles other than the defaults: 32-row blocks over 64 query rows, a short last block of slots
     "rows32-block64": make_case(12, t=2, h=32, s=200, kv_len=(200, 130, 1), dtype=torch.bfloat16, rows=32,
                                 block_s=64, num_warps=8, num_stages=2),
@@ -80,10 +83,11 @@ def test_the_op_on_cpu_is_the_reference_with_the_keys_side_by_side():
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("c, r, t, fits", [(512, 64, 1, True), (512, 64, 16, True), (512, 64, 17, False),
-                                           (500, 64, 1, False), (32, 8, 1, False)])
+@pytest.mark.parametrize("c, r, t, fits", [(512, 64, 1, True), (512, 64, 16, True), (512, 64, 4096, True),
+                                           (512, 64, 262_144, False), (500, 64, 1, False), (32, 8, 1, False)])
 def test_which_shapes_the_latent_kernel_takes(c, r, t, fits):
-    q = torch.empty(1, 16, t, c + r, dtype=torch.bfloat16)
+    # decode, verify and prefill chunks alike, up to the grid's 65535 blocks of 64 rows
+    q = torch.empty(1, 16, t, c + r, dtype=torch.bfloat16, device="meta")
     assert latent_kernel_fits(q, torch.empty(1, 1, 8, c, dtype=torch.bfloat16), torch.empty(1, 1, 8, r)) == fits
 
 
@@ -137,6 +141,10 @@ WINDOW_CASES = {
                                      dtype=torch.bfloat16),
     "h128-t2": make_window_case(25, t=2, h=128, positions=[[3, 4], [10, 11]]),
     "h1-t3-rows32": make_window_case(26, t=3, h=1, positions=[[0, 1, 2]], rows=32, num_warps=4),
+    # a prefill chunk's window: several blocks of slots, rows that see nothing in a whole block
+    "chunk-t100-bf16": make_window_case(27, t=100, h=2, positions=[list(range(300, 400)), list(range(99, -1, -1))],
+                                        dtype=torch.bfloat16),
+    "chunk-t40-fp32-block16": make_window_case(28, t=40, h=3, positions=[list(range(40))], block_s=16),
 }
 
 
