@@ -49,6 +49,13 @@ Making ``prefix_attention`` itself the triton_op would also inline the torch ref
 into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``
 alone would leave the Triton kernels hidden behind an opaque call.
 
+MLA's latent sites have a kernel of their own, ``_latent_split_kernel``: one latent head
+``[latent | rope key]`` whose latent is also the value, so every query head of a sequence
+shares each slot's load.  It serves ``dcp::latent_prefix_attention`` (the shard's slots,
+split like the GQA kernel) and, in its causal form, ``dcp::latent_window_attention`` (the
+new tokens), for any number of new tokens: at decode a program holds all heads of a
+sequence, for a prefill chunk 64 consecutive tokens of one head.
+
 ``prefix_attention_triton`` can be called directly, also on CPU tensors when
 ``TRITON_INTERPRET=1`` was set before ``triton`` was imported: that is how the CI tests
 run the kernel without a GPU.
