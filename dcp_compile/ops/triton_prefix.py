@@ -361,8 +361,7 @@ def _latent_split_kernel(
 
     if CAUSAL:
         kv_len = S
-        # Padding rows see every key: their (discarded) softmax stays finite.
-        q_pos = tl.load(POS + b * s_posb + tok * s_post, mask=row_ok, other=2**62)
+        q_pos = tl.load(POS + b * s_posb + tok * s_post, mask=row_ok, other=0)  # padding rows are not stored
     else:
         kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
     split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
@@ -383,7 +382,7 @@ def _latent_split_kernel(
         scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         scores = (scores * qk_scale).to(tl.float32)
         if CAUSAL:
-            k_pos = tl.load(POS + b * s_posb + offs_s * s_post, mask=live, other=2**62)
+            k_pos = tl.load(POS + b * s_posb + offs_s * s_post, mask=live, other=0)
             visible = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
             p, alpha, m, l = _masked_softmax_step(scores, visible, m, l)
         else:

@@ -145,6 +145,9 @@ WINDOW_CASES = {
     "chunk-t100-bf16": make_window_case(27, t=100, h=2, positions=[list(range(300, 400)), list(range(99, -1, -1))],
                                         dtype=torch.bfloat16),
     "chunk-t40-fp32-block16": make_window_case(28, t=40, h=3, positions=[list(range(40))], block_s=16),
+    # positions as int32 (the graph keeps the caller's dtype)
+    "int32-positions": dict(make_window_case(29, t=6, h=4), positions=torch.tensor([[4, 5, 6, 7, 8, 9], [1, 0, 3, 2, 5, 4]],
+                                                                                    dtype=torch.int32)),
 }
 
 
