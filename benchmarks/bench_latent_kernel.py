@@ -218,7 +218,7 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
     # 16 rows are the memory-bound tile; wider points try 32 and 64 (T is a runtime
     # argument, so H=16 T=4 reuses H=128's compiled kernels).
     dims = dict(rows=[16] if wanted == 16 else [r for r in LATENT_TILE_CHOICES["rows"] if 32 <= r <= wanted],
-                block_s=(16, 32, 64), num_warps=LATENT_TILE_CHOICES["num_warps"],
+                block_s=(16, 32, 64), num_warps=(4, 8),
                 num_stages=SWEEP_STAGES["memory" if wanted == 16 else "compute"])
     for text in ARGS.sweep_tiles:
         name, _, values = text.partition("=")

@@ -63,6 +63,8 @@ run the kernel without a GPU.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -409,7 +411,9 @@ def latent_kernel_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
     )
 
 
-LATENT_TILE_CHOICES = dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8, 16), num_stages=(1, 2, 3, 4))
+LATENT_TILE_CHOICES = MappingProxyType(
+    dict(rows=(16, 32, 64), block_s=(16, 32, 64, 128), num_warps=(4, 8, 16), num_stages=(1, 2, 3, 4))
+)
 """What the latent kernel's wrappers accept as tile overrides (the sweep in
 ``benchmarks/bench_latent_kernel.py`` tries these)."""
 LATENT_STAGE_BYTES = 64 * (512 + 64) * 2
