@@ -62,6 +62,13 @@ def _full_slice(entry) -> bool:
     return isinstance(entry, slice) and entry == slice(None, None, None)
 
 
+def _covers(entry, size: int | None) -> bool:
+    """A slice such as ``[:bsz]`` that spans an axis of ``size`` (still refused: the
+    error names another entry first, the one that matters)."""
+    return (isinstance(entry, slice) and size is not None and entry.start in (None, 0) and entry.step in (None, 1)
+            and isinstance(entry.stop, int) and entry.stop >= size)
+
+
 def is_arange(node, length: int) -> bool:
     """Whether ``node`` is ``torch.arange(length)`` up to unit axes and dtype casts."""
     while isinstance(node, Node):
@@ -90,17 +97,28 @@ def _write_entries(node: Node, ndim: int) -> list:
     else:
         entries = list(expand_ellipsis(tuple(raw) if isinstance(raw, (tuple, list)) else (raw,), ndim))
     entries += [slice(None)] * (ndim - len(entries))
-    out = []
-    for entry in entries:
+    cache = node.args[0]
+    sizes = tuple(cache.meta["example_value"].shape) if isinstance(cache, Node) and isinstance(
+        cache.meta.get("example_value"), torch.Tensor) else (None,) * ndim
+    out, refused = [], []
+    for entry, size in zip(entries, sizes):
         if isinstance(entry, Node) and isinstance(entry.meta.get("example_value"), torch.Tensor):
             out.append(entry)
         elif _full_slice(entry):
             out.append(None)
         else:
-            raise GraphPatternError(
-                f"KV write at {where(node)} indexes the cache with {entry!r}; expected full slices "
-                f"and integer tensors (positions, and optionally torch.arange over the batch)"
-            )
+            refused.append((_covers(entry, size), entry))
+    if refused:
+        entry = min(refused, key=lambda r: r[0])[1]
+        raise GraphPatternError(
+            f"KV write at {where(node)} indexes the cache with {entry!r}; expected full slices "
+            f"and integer tensors (positions, and optionally torch.arange over the batch). A cache "
+            f"written through a Python-int slice (DeepSeek's `kv_cache[:bsz, start_pos:end_pos] = kv`) "
+            f"bakes the step's position into the graph, so every step would compile anew and the "
+            f"layout could not shard it: pass the positions as a [B, T] tensor, write "
+            f"`kv_cache[torch.arange(B)[:, None], positions] = kv`, read the whole cache with a mask "
+            f"`slot <= position` (dcp_compile/models/mla.py is the latent form written so)"
+        )
     return out
 
 
