@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import itertools
 import math
+import re
 import types
 from dataclasses import dataclass
 
@@ -338,6 +339,32 @@ def _discover(model: nn.Module, example_inputs, max_batch: int, home):
         ) from error
 
 
+def _check_forward_with_shards(model: nn.Module, forward_args: tuple, placed: list, max_seq_len: int) -> None:
+    """One forward on fake tensors with this rank's shards in place (nothing real is
+    read or written).  A model that sizes a tensor by ``max_seq_len`` where it meets the
+    cache (``torch.arange(MAX_SEQ_LEN)`` for a mask, say) no longer fits a shard of fewer
+    slots; say so here, rather than leave a shape error naming an unexplained slot count
+    to the first compile.  Any other failure is left to ``torch.compile`` to report."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shard_lengths = {int(getattr(module, attr).shape[record.seq_dim]) for module, attr, record in placed}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            model.forward(*forward_args)
+    except Exception as error:  # noqa: BLE001 - only a shard-size mismatch is ours to explain
+        text = str(error)
+        numbers = {int(n) for n in re.findall(r"\d+", text)}
+        seen = sorted(shard_lengths & numbers)
+        if max_seq_len in numbers and seen:
+            raise ValueError(
+                f"{type(model).__name__}.forward does not run with this rank's cache shards: it failed with "
+                f"'{text.splitlines()[0][:300]}'. Each sharded cache now holds {seen[0]} slots, not max_seq_len="
+                f"{max_seq_len}, and a tensor of max_seq_len entries meets it; size such tensors from the cache "
+                f"itself (torch.arange(self.kv_cache.shape[seq_dim]) <= positions, not torch.arange(max_seq_len)), "
+                f"as dcp_compile/models/llama.py and mla.py do"
+            ) from error
+
+
 def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_batch: int, verify_tokens: int, home,
                   rank: int) -> tuple[list, int]:
     """Swap each cache for this rank's buffer (its shard plus ``verify_tokens`` staging
@@ -469,6 +496,9 @@ def prepare(
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
                                      home, group.rank)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
+    if sharded:
+        forward_args = example_inputs if example_inputs is not None else _default_example_inputs(model, max_batch, home)
+        _check_forward_with_shards(model, tuple(forward_args), placed, max_seq_len)
     model.register_forward_pre_hook(_call_checks(type(model).__name__, max_batch, sharded), with_kwargs=True)
     _refuse_replaced_caches(model, placed)
     return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)

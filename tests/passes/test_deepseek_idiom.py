@@ -111,6 +111,8 @@ def decode_against_deepseek(group, cascade=False) -> dict:
     prompt = torch.randn(B, 5, DIM)
     dcp.prepare(model, group, "target", max_batch=B, max_seq_len=S,
                 example_inputs=(prompt, torch.arange(5).expand(B, 5).contiguous()))
+    # prepare's trial forward runs on fake tensors: the caches hold what prepare laid out, zeros
+    untouched = bool((model.kv_cache == 0).all() and (model.pe_cache == 0).all())
     backend = dcp.backend(group, "target", lowering="aot_eager", cascade=cascade)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     mask = torch.full((5, 5), float("-inf")).triu_(1)
@@ -119,13 +121,40 @@ def decode_against_deepseek(group, cascade=False) -> dict:
         for step in range(5, 9):
             x = torch.randn(B, 1, DIM)
             differences.append((compiled(x, torch.full((B, 1), step)) - reference(x, step)).abs().max())
-    return dict(difference=float(max(differences)), latent_sites=[sum(s.latent is not None for s in c.plan.sites)
+    return dict(difference=float(max(differences)), untouched_by_prepare=untouched, latent_sites=[sum(s.latent is not None for s in c.plan.sites)
                                                                   for c in backend.compiled],
                 collectives=backend.collective_counts)
 
 
 def deepseek_worker(rank, size):
     return decode_against_deepseek(dcp.init_group("cpu"))
+
+
+class MaskOfMaxSeqLen(WithPositions):
+    """The fix with one slip: the mask counts ``S`` slots, a constant, not the cache's own."""
+
+    def forward(self, x, positions):
+        bsz, seqlen, _ = x.size()
+        q_nope, q_pe, kv, k_pe, wkv_b = self.project(x)
+        rows = torch.arange(bsz)[:, None]
+        self.kv_cache[rows, positions] = kv
+        self.pe_cache[rows, positions] = k_pe.squeeze(2)
+        scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache) +
+                  torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache)) * self.softmax_scale
+        visible = torch.arange(S)[None, None, None, :] <= positions[:, :, None, None]
+        scores = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(x)
+        x = torch.einsum("bsht,btc->bshc", scores, self.kv_cache)
+        return self.wo(torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim:]).flatten(2))
+
+
+def mask_of_max_seq_len_worker(rank, size):
+    model = MaskOfMaxSeqLen().eval()
+    prompt, positions = torch.randn(B, 5, DIM), torch.arange(5).expand(B, 5).contiguous()
+    try:
+        dcp.prepare(model, dcp.init_group("cpu"), "target", max_batch=B, max_seq_len=S, example_inputs=(prompt, positions))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @pytest.mark.parametrize("cascade", [False, True])
@@ -141,4 +170,15 @@ def test_the_fix_sharded_over_two_ranks_decodes_what_deepseeks_code_decodes():
 
     for result in spawn_ranks(deepseek_worker, 2, timeout=600):
         assert result["latent_sites"] == [1, 1] and result["collectives"] == [2, 2]  # an all-gather and its wait
-        assert result["difference"] < 1e-5
+        assert result["difference"] < 1e-5 and result["untouched_by_prepare"]
+
+
+def test_a_mask_sized_by_max_seq_len_is_refused_at_prepare_with_the_shard_length():
+    """Sharded, the cache holds 17 slots (16 owned and the trash slot), and a mask of 32
+    no longer broadcasts against it: prepare's trial forward on fake tensors says why."""
+    from dcp_compile.runtime.launch import spawn_ranks
+
+    for message in spawn_ranks(mask_of_max_seq_len_worker, 2, timeout=600):
+        assert message is not None, "prepare accepted a model whose forward cannot run on its shards"
+        assert "Each sharded cache now holds 17 slots, not max_seq_len=32" in message
+        assert "torch.arange(self.kv_cache.shape[seq_dim])" in message
