@@ -72,11 +72,14 @@ class WithPositions(DeepSeekMLA):
         self.pe_cache[rows, positions] = k_pe.squeeze(2)
         scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache) +
                   torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache)) * self.softmax_scale
-        visible = torch.arange(self.kv_cache.shape[1])[None, None, None, :] <= positions[:, :, None, None]
+        visible = torch.arange(self.slots())[None, None, None, :] <= positions[:, :, None, None]
         scores = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(x)
         x = torch.einsum("bsht,btc->bshc", scores, self.kv_cache)
         x = torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim:])
         return self.wo(x.flatten(2))
+
+    def slots(self) -> int:
+        return self.kv_cache.shape[1]
 
 
 def line_of(marker):
@@ -133,18 +136,8 @@ def deepseek_worker(rank, size):
 class MaskOfMaxSeqLen(WithPositions):
     """The fix with one slip: the mask counts ``S`` slots, a constant, not the cache's own."""
 
-    def forward(self, x, positions):
-        bsz, seqlen, _ = x.size()
-        q_nope, q_pe, kv, k_pe, wkv_b = self.project(x)
-        rows = torch.arange(bsz)[:, None]
-        self.kv_cache[rows, positions] = kv
-        self.pe_cache[rows, positions] = k_pe.squeeze(2)
-        scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache) +
-                  torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache)) * self.softmax_scale
-        visible = torch.arange(S)[None, None, None, :] <= positions[:, :, None, None]
-        scores = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(x)
-        x = torch.einsum("bsht,btc->bshc", scores, self.kv_cache)
-        return self.wo(torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim:]).flatten(2))
+    def slots(self) -> int:
+        return S
 
 
 def mask_of_max_seq_len_worker(rank, size):
