@@ -153,17 +153,16 @@ def short_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: " + " ... ".join([lines[0][:200]] + [c[:300] for c in causes[-1:]])
 
 
-def copy_arms(timer: Timer, device, nbytes: int, cold_bytes: int, cap_bytes: int) -> tuple[int, dict]:
-    """The HBM copy ceiling for ``nbytes`` of data (at most ``cap_bytes``):
-    ``(bytes copied per call, {"copy/<method>": (run, calls, method)})``, the copy as a
-    captured graph and as eager launches (report the faster: on the H200 a graph of one
-    memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s where eager copies and graphs of several
-    smaller copies ran at ~4.2 TB/s), over enough pairs that a run moves ``cold_bytes``."""
+def copy_arms(timer: Timer, device, copy_bytes: int, cold_bytes: int) -> dict:
+    """The HBM copy ceiling for ``copy_bytes`` a call: ``{"copy/<method>": (run, calls,
+    method)}``, the copy as a captured graph and as eager launches (report the faster: on
+    the H200 a graph of one memcpy of 0.5 to 4 GiB ran at ~2.7 TB/s where eager copies and
+    graphs of several smaller copies ran at ~4.2 TB/s), over enough pairs that a run moves
+    ``cold_bytes``."""
     import math
 
     import torch
 
-    copy_bytes = min(nbytes, cap_bytes)
     n_pairs = max(1, math.ceil(cold_bytes / copy_bytes)) if device.type == "cuda" else 1
     pairs = [(torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_(),
               torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16)) for _ in range(n_pairs)]
@@ -172,7 +171,7 @@ def copy_arms(timer: Timer, device, nbytes: int, cold_bytes: int, cap_bytes: int
     for graph in (True, False):
         run, method = timer.prepare(calls, graph=graph)
         arms[f"copy/{method}"] = (run, len(calls), method)
-    return copy_bytes, arms
+    return arms
 
 
 def timed_rounds(prepared: dict, timer: Timer, rounds: int) -> dict:

@@ -208,8 +208,7 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
                 torch.cuda.synchronize()
     copy_bytes = min(kv_bytes, COPY_CAP_BYTES)
     if "copy" in ARGS.arms:
-        copy_bytes, copies_prepared = copy_arms(timer, device, kv_bytes, COLD_BYTES, COPY_CAP_BYTES)
-        prepared.update(copies_prepared)
+        prepared.update(copy_arms(timer, device, copy_bytes, COLD_BYTES))
     for name, (seconds, rounds) in timed_rounds(prepared, timer, ARGS.rounds).items():
         moved = 2 * copy_bytes if name.startswith("copy/") else kv_bytes
         point["arms"][name] = dict(ms=seconds * 1e3, tbps=moved / seconds / 1e12, method=prepared[name][2],

@@ -181,8 +181,7 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
                 torch.cuda.empty_cache()
     copy_bytes = min(cache_bytes, COPY_CAP_BYTES)
     if "copy" in ARGS.arms:
-        copy_bytes, copies_prepared = copy_arms(timer, device, cache_bytes, COLD_BYTES, COPY_CAP_BYTES)
-        prepared.update(copies_prepared)
+        prepared.update(copy_arms(timer, device, copy_bytes, COLD_BYTES))
     for name, (seconds, rounds) in timed_rounds(prepared, timer, ARGS.rounds).items():
         ms = seconds * 1e3
         moved = 2 * copy_bytes if name.startswith("copy/") else cache_bytes

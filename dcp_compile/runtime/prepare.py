@@ -319,15 +319,13 @@ def _refuse_replaced_caches(model: nn.Module, placed) -> None:
     model._apply = _apply
 
 
-def _discover(model: nn.Module, example_inputs, max_batch: int, home):
-    """The discovery trace: ``(graph, its inputs, owner of each model tensor)``."""
-    defaulted = example_inputs is None
-    if defaulted:
-        example_inputs = _default_example_inputs(model, max_batch, home)
+def _discover(model: nn.Module, forward_args: tuple, defaulted: bool, max_batch: int):
+    """The discovery trace of ``model(*forward_args)`` (``defaulted``: arguments prepare
+    built from the forward signature): ``(graph, its inputs, owner of each model tensor)``."""
     try:
         if any(t.is_meta for t in _tensors(model)):
-            return _trace_on_meta(model, tuple(example_inputs))
-        gm, inputs = trace_graph(model, tuple(example_inputs))
+            return _trace_on_meta(model, forward_args)
+        gm, inputs = trace_graph(model, forward_args)
         return gm, inputs, _owners(model)
     except ValueError as error:
         if not defaulted:
@@ -480,7 +478,9 @@ def prepare(
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
     home = _home_device(model)
-    gm, inputs, owners = _discover(model, example_inputs, max_batch, home)
+    defaulted = example_inputs is None
+    forward_args = tuple(_default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
+    gm, inputs, owners = _discover(model, forward_args, defaulted, max_batch)
     plan = find(gm)
     if sharded:
         for site in plan.sites:
@@ -497,8 +497,7 @@ def prepare(
                                      home, group.rank)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     if sharded:
-        forward_args = example_inputs if example_inputs is not None else _default_example_inputs(model, max_batch, home)
-        _check_forward_with_shards(model, tuple(forward_args), placed, max_seq_len)
+        _check_forward_with_shards(model, forward_args, placed, max_seq_len)
     model.register_forward_pre_hook(_call_checks(type(model).__name__, max_batch, sharded), with_kwargs=True)
     _refuse_replaced_caches(model, placed)
     return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)
