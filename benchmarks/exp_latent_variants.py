@@ -1,0 +1,195 @@
+"""Compute-bound variants of the latent kernel, side by side (H200 experiment).
+
+Each variant is the library's ``_latent_split_kernel`` prefix form with one change:
+``chain`` feeds the accumulators into ``tl.dot`` (``dot(p, kv, acc * alpha)``, the rope
+scores onto the latent ones), ``qloop`` reloads q inside the loop with loop-invariant
+hoisting off (q not held across iterations), ``ws`` asks for Triton's warp
+specialization on the loop, ``halves`` keeps the 512-wide accumulator as two 256-wide
+ones.  Prints registers and spills, the error against an fp32 reference (ragged
+``kv_len``, four slices merged), and median kernel times at two compute-bound points.
+BENCHMARKS.md has the one run (2026-12-01): no variant moved the kernel.
+
+    python benchmarks/exp_latent_variants.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+C, R = 512, 64
+
+
+@triton.jit
+def _variant_kernel(
+    Q, KV, PE, KV_LEN, O, LSE, qk_scale, S, H, num_splits,
+    s_qb, s_qh, s_qd, s_cb, s_cs, s_pb, s_ps, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
+    ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHAIN: tl.constexpr, QLOOP: tl.constexpr, WS: tl.constexpr, HALVES: tl.constexpr,
+):
+    split = tl.program_id(0)
+    row_block = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    head = (row_block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = head < H
+    offs_c = tl.arange(0, C)
+    offs_h = tl.arange(0, C // 2)
+    offs_r = tl.arange(0, R)
+    q_rows = Q + b * s_qb + head[:, None] * s_qh
+    if not QLOOP:
+        q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
+        q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
+    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    kv_base = KV + b * s_cb
+    pe_base = PE + b * s_pb
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    if HALVES:
+        acc0 = tl.zeros([ROWS, C // 2], tl.float32)
+        acc1 = tl.zeros([ROWS, C // 2], tl.float32)
+    else:
+        acc = tl.zeros([ROWS, C], tl.float32)
+    for start in tl.range(lo, hi, BLOCK_S, warp_specialize=WS, disable_licm=QLOOP):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        live = offs_s < hi
+        pe = tl.load(pe_base + offs_s[:, None] * s_ps + offs_r[None, :], mask=live[:, None], other=0.0)
+        if QLOOP:
+            q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
+            q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
+        if HALVES:
+            kv0 = tl.load(kv_base + offs_s[:, None] * s_cs + offs_h[None, :], mask=live[:, None], other=0.0)
+            kv1 = tl.load(kv_base + offs_s[:, None] * s_cs + (C // 2 + offs_h[None, :]), mask=live[:, None],
+                          other=0.0)
+            q0 = tl.load(q_rows + offs_h[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
+            q1 = tl.load(q_rows + (C // 2 + offs_h[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
+            scores = tl.dot(q_pe, tl.trans(pe), tl.dot(q1, tl.trans(kv1), tl.dot(q0, tl.trans(kv0))))
+        else:
+            kv = tl.load(kv_base + offs_s[:, None] * s_cs + offs_c[None, :], mask=live[:, None], other=0.0)
+            if CHAIN:
+                scores = tl.dot(q_pe, tl.trans(pe), tl.dot(q_lat, tl.trans(kv)))
+            else:
+                scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
+        scores = tl.where(live[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+        if HALVES:
+            acc0 = tl.dot(p.to(kv0.dtype), kv0, acc0 * alpha[:, None])
+            acc1 = tl.dot(p.to(kv1.dtype), kv1, acc1 * alpha[:, None])
+        elif CHAIN:
+            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_rows = O + b * s_ob + head * s_oh + split * s_os
+    if HALVES:
+        tl.store(o_rows[:, None] + offs_h[None, :], acc0 / l_safe[:, None], mask=row_ok[:, None])
+        tl.store(o_rows[:, None] + (C // 2 + offs_h[None, :]), acc1 / l_safe[:, None], mask=row_ok[:, None])
+    else:
+        tl.store(o_rows[:, None] + offs_c[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(LSE + b * s_lb + head * s_lh + split * s_ls, lse, mask=row_ok)
+
+
+VARIANTS = {
+    "base": dict(CHAIN=False, QLOOP=False, WS=False, HALVES=False),
+    "chain": dict(CHAIN=True, QLOOP=False, WS=False, HALVES=False),
+    "qloop": dict(CHAIN=True, QLOOP=True, WS=False, HALVES=False),
+    "ws": dict(CHAIN=True, QLOOP=False, WS=True, HALVES=False),
+    "halves": dict(CHAIN=True, QLOOP=False, WS=False, HALVES=True),
+}
+TILES = [dict(block_s=64, num_warps=8, num_stages=2), dict(block_s=32, num_warps=8, num_stages=3),
+         dict(block_s=64, num_warps=8, num_stages=3)]
+
+
+def launch(variant, q, kv, pe, kv_len, num_splits, tiles):
+    """q [B, H, C + R] (T=1 rows are heads); returns (partials, their lse, compiled kernel)."""
+    B, H, _ = q.shape
+    S = kv.shape[1]
+    o = torch.empty(B, H, num_splits, C, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    compiled = _variant_kernel[(num_splits, triton.cdiv(H, 64), B)](
+        q, kv, pe, kv_len, o, lse, 0.07 * 1.4426950408889634, S, H, num_splits,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), pe.stride(0), pe.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        ROWS=64, C=C, R=R, BLOCK_S=tiles["block_s"], num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"], **VARIANTS[variant],
+    )
+    return o, lse, compiled
+
+
+def merged(o, lse):
+    weights = torch.softmax(torch.nan_to_num(lse, neginf=-1e30), dim=-1)
+    return (o * weights[..., None]).sum(2)
+
+
+def reference(q, kv, pe, kv_len):
+    scores = (torch.einsum("bhc,bsc->bhs", q[..., :C].float(), kv.float())
+              + torch.einsum("bhr,bsr->bhs", q[..., C:].float(), pe.float())) * 0.07
+    slots = torch.arange(kv.shape[1], device=q.device)
+    scores = scores.masked_fill(slots[None, None, :] >= kv_len[:, None, None], float("-inf"))
+    return torch.einsum("bhs,bsc->bhc", scores.softmax(-1), kv.float())
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    if not torch.cuda.is_available():
+        raise SystemExit("exp_latent_variants.py times CUDA kernels: run it on a GPU machine")
+    dev = torch.device("cuda")
+    small = dict(B=3, H=128, S=1000)
+    q = torch.randn(small["B"], small["H"], C + R, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(small["B"], small["S"], C, device=dev, dtype=torch.bfloat16)
+    pe = torch.randn(small["B"], small["S"], R, device=dev, dtype=torch.bfloat16)
+    kv_len = torch.tensor([small["S"], small["S"] // 2 + 17, 3], device=dev, dtype=torch.int32)
+    ref = reference(q, kv, pe, kv_len)
+    rows = []
+    for variant in VARIANTS:
+        for tiles in TILES:
+            try:
+                o, lse, compiled = launch(variant, q, kv, pe, kv_len, 4, tiles)
+                out = merged(o, lse)
+                err = ((out - ref).norm() / ref.norm()).item()
+                regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            except Exception as exc:  # noqa: BLE001 - a variant the compiler refuses is a row of its own
+                print(f"{variant} {tiles}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            rows.append((variant, tiles, err, regs, spills))
+            print(f"{variant} {tiles}: err {err:.2e}, {regs} regs, {spills} spills", flush=True)
+    results = []
+    for B, H, S in ((8, 128, 32768), (32, 128, 32768)):
+        q = torch.randn(B, H, C + R, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(B, S, C, device=dev, dtype=torch.bfloat16)
+        pe = torch.randn(B, S, R, device=dev, dtype=torch.bfloat16)
+        kv_len = torch.full((B,), S, device=dev, dtype=torch.int32)
+        splits = max(1, 132 // (B * 2))
+        flops = B * H * S * 2.0 * (2 * C + R)
+        for variant, tiles, err, _, _ in rows:
+            if err > 2e-2:
+                continue
+            times = []
+            for _ in range(3):
+                times.append(triton.testing.do_bench(lambda: launch(variant, q, kv, pe, kv_len, splits, tiles),
+                                                     warmup=25, rep=200, return_mode="median"))
+            ms = statistics.median(times)
+            results.append((B, H, S, variant, tiles, ms, flops / ms / 1e9, min(times), max(times)))
+            print(f"B={B} H={H} S={S} {variant} {tiles}: {ms:.4f} ms ({min(times):.4f}-{max(times):.4f}), "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+    print("\n| B | H | S | variant | tiles | ms | TFLOP/s |")
+    for B, H, S, variant, tiles, ms, tf, _, _ in results:
+        print(f"| {B} | {H} | {S} | {variant} | {tiles['block_s']}/{tiles['num_warps']}/{tiles['num_stages']} "
+              f"| {ms:.4f} | {tf:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
