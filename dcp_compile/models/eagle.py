@@ -100,7 +100,7 @@ class EagleDraft(RopeTables):
         self.ffn_norm = RMSNorm(t.dim, t.norm_eps)
         self.feed_forward = FeedForward(t)
         self.norm = RMSNorm(t.dim, t.norm_eps)
-        self._init_rope(t)
+        self._init_rope(t.head_dim, t.max_seq_len, t.rope_theta)
         self.to(device=device, dtype=dtype)
         self.attention.allocate_cache(cache_device if cache_device is not None else self.fc.weight.device)
 

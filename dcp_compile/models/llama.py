@@ -77,10 +77,10 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[S, D/2]`` for every position the cache can hold."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+def rope_tables(dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_seq_len, dim / 2]`` for every position the cache can hold."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -88,24 +88,27 @@ class RopeTables(nn.Module):
     """Keeps the ``rope_cos``/``rope_sin`` buffers in fp32 whatever dtype the weights are
     cast to: rounding the tables to bf16 would perturb every position's rotation."""
 
-    def _init_rope(self, cfg: LlamaConfig) -> None:
-        self._rope_config = cfg
-        cos, sin = rope_tables(cfg)
+    def _init_rope(self, dim: int, max_seq_len: int, theta: float) -> None:
+        self._rope_shape = (dim, max_seq_len, theta)
+        cos, sin = rope_tables(*self._rope_shape)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         device = self.rope_cos.device
-        cos, sin = rope_tables(self._rope_config)
+        cos, sin = rope_tables(*self._rope_shape)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         return self
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos_BTF: torch.Tensor, sin_BTF: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BTHD.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x_BTHD)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs of the last axis of ``x [B, T, ..., D]`` (per-head queries and
+    keys, or MLA's one shared rope key ``[B, T, D]``); ``cos``/``sin`` ``[B or 1, T, D/2]``."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    extra = x.dim() - 3
+    cos, sin = (t.reshape(*t.shape[:2], *([1] * extra), t.shape[-1]) for t in (cos, sin))
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -183,10 +186,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype):
+    """Pre-norm residual layer around ``attention`` (Llama's GQA or MLA's latent attention)
+    and a SwiGLU MLP."""
+
+    def __init__(self, cfg, attention: nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, dtype)
+        self.attention = attention
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -214,8 +220,11 @@ class TargetFacts:
         return self.cfg.dim * len(self.cfg.aux_layers)
 
 
-class Llama(TargetFacts, RopeTables):
-    """``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
+class DecoderStack(TargetFacts, RopeTables):
+    """What Llama and the MLA target share: embedding, ``layers`` of ``Block``, final
+    norm, LM head, fp32 rope tables, and the forwards.
+
+    ``forward(tokens [B, T], positions [B, T]) -> logits [B, T, vocab]`` (fp32), or
     ``(logits, aux [B, T, len(aux_layers) * dim])`` when ``cfg.aux_layers`` is set.
 
     ``forward(..., logits_at [B, K])`` computes the logits only at those indices of each
@@ -223,16 +232,15 @@ class Llama(TargetFacts, RopeTables):
     head over a whole long prompt would cost ``T x vocab`` fp32.  The EAGLE features
     still cover every position, since the draft's own prefill reads them all."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
+    def _build(self, cfg, attentions, rope_dim: int, *, dtype, device, cache_device) -> None:
         """``cache_device="meta"`` defers the KV caches: ``dcp.prepare`` then allocates only
         this rank's shard (after checking that it fits), never the whole cache."""
-        super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, attention) for attention in attentions)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._init_rope(cfg)
+        self._init_rope(rope_dim, cfg.max_seq_len, cfg.rope_theta)
         self.to(device=device, dtype=dtype)
         for layer in self.layers:
             layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
@@ -249,7 +257,8 @@ class Llama(TargetFacts, RopeTables):
 
     def forward_uncached(self, tokens: torch.Tensor):
         """The same outputs for whole sequences starting at position 0, with no KV cache
-        read or written: what training differentiates through."""
+        read or written: what training differentiates through, and the reference the
+        cached forward is tested against."""
         T = tokens.shape[1]
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
@@ -268,6 +277,15 @@ class Llama(TargetFacts, RopeTables):
         if self.cfg.n_layers in self.cfg.aux_layers:
             hidden.append(x)
         return logits, torch.cat(hidden, dim=-1)
+
+
+class Llama(DecoderStack):
+    """The GQA target: ``DecoderStack``'s forwards over Llama attention layers."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
+        super().__init__()
+        self._build(cfg, (Attention(cfg, dtype) for _ in range(cfg.n_layers)), cfg.head_dim,
+                    dtype=dtype, device=device, cache_device=cache_device)
 
 
 def take_rows(x_BTF: torch.Tensor, index_BK: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ values.  Per layer, for new tokens ``x [B, T, dim]`` at ``positions [B, T]``:
 cache holds ``C + rope`` numbers per token and layer, for all heads together, which
 tensor parallelism cannot split and decode context parallelism can.
 
-``MLAttention.forward_decompressed`` computes the same attention the textbook way
+``MLAttention.forward_uncached`` computes the same attention the textbook way
 (per-head keys ``[k_nope | k_pe]`` and values decompressed from the latent): the
 reference the absorbed form is tested against.  Under DCP the passes find the absorbed
 einsums, shard both latent caches along the sequence, and run each layer as one key
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dcp_compile.models.llama import FeedForward, RMSNorm, TargetFacts, take_rows
+from dcp_compile.models.llama import DecoderStack, RMSNorm, apply_rope
 
 
 @dataclass(frozen=True)
@@ -122,20 +122,6 @@ def draft_config(cfg: MLAConfig, kind: str = "eagle3", **options):
     return DraftConfig(shapes, kind, **options)
 
 
-def rope_tables(rope_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs of the last axis of ``x [B, T, ..., rope]``; ``cos``/``sin`` ``[B, T, rope/2]``."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    extra = x.dim() - 3
-    cos, sin = (t.reshape(*t.shape[:2], *([1] * extra), t.shape[-1]) for t in (cos, sin))
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
-
-
 class MLAttention(nn.Module):
     def __init__(self, cfg: MLAConfig, dtype: torch.dtype):
         super().__init__()
@@ -203,7 +189,7 @@ class MLAttention(nn.Module):
         o_lat = torch.einsum("bths,bsc->bthc", probs, self.kv_cache)
         return self.wo(torch.einsum("bthc,hdc->bthd", o_lat, w_uv).flatten(2))
 
-    def forward_decompressed(self, x, cos, sin):
+    def forward_uncached(self, x, cos, sin):
         """Causal attention within ``x`` with per-head keys and values decompressed from
         the latent, no cache: the textbook form of the same attention."""
         cfg = self.cfg
@@ -220,69 +206,12 @@ class MLAttention(nn.Module):
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
-class MLABlock(nn.Module):
-    def __init__(self, cfg: MLAConfig, dtype: torch.dtype):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = MLAttention(cfg, dtype)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
-
-    def forward(self, x, positions, cos, sin):
-        h = x + self.attention(self.attention_norm(x), positions, cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def forward_decompressed(self, x, cos, sin):
-        h = x + self.attention.forward_decompressed(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class MLATransformer(TargetFacts, nn.Module):
+class MLATransformer(DecoderStack):
     """``forward(tokens [B, T], positions [B, T], logits_at=None)`` as ``Llama``'s: fp32
-    logits, and the EAGLE features of ``aux_layers`` when set."""
+    logits, and the EAGLE features of ``aux_layers`` when set; ``forward_uncached`` runs the
+    textbook (decompressed) attention."""
 
     def __init__(self, cfg: MLAConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
         super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(MLABlock(cfg, dtype) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.to(device=device, dtype=dtype)
-        cos, sin = rope_tables(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
-        # fp32 whatever the weights: rounding the rotation tables would perturb every position.
-        self.register_buffer("rope_cos", cos.to(self.output.weight.device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(self.output.weight.device), persistent=False)
-        for layer in self.layers:
-            layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_at: torch.Tensor | None = None):
-        x = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        hidden = []
-        for i, layer in enumerate(self.layers):
-            if i in self.cfg.aux_layers:
-                hidden.append(x)
-            x = layer(x, positions, cos, sin)
-        return self._head(x, hidden, logits_at)
-
-    def forward_decompressed(self, tokens: torch.Tensor):
-        """Whole sequences from position 0, no cache, attention decompressed per head."""
-        T = tokens.shape[1]
-        x = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[None, :T].expand(tokens.shape[0], -1, -1), self.rope_sin[None, :T].expand(tokens.shape[0], -1, -1)
-        hidden = []
-        for i, layer in enumerate(self.layers):
-            if i in self.cfg.aux_layers:
-                hidden.append(x)
-            x = layer.forward_decompressed(x, cos, sin)
-        return self._head(x, hidden, None)
-
-    def _head(self, x, hidden, logits_at):
-        x = self.norm(x)
-        logits = self.output(x if logits_at is None else take_rows(x, logits_at)).float()
-        if not self.cfg.aux_layers:
-            return logits
-        if self.cfg.n_layers in self.cfg.aux_layers:
-            hidden.append(x)
-        return logits, torch.cat(hidden, dim=-1)
+        self._build(cfg, (MLAttention(cfg, dtype) for _ in range(cfg.n_layers)), cfg.qk_rope_head_dim,
+                    dtype=dtype, device=device, cache_device=cache_device)

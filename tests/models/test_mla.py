@@ -21,7 +21,7 @@ def test_absorbed_prefill_equals_decompressed_attention(q_lora_rank):
     positions = torch.arange(11).expand(cfg.max_batch, 11)
     with torch.no_grad():
         cached = m(tokens, positions)
-        textbook = m.forward_decompressed(tokens)
+        textbook = m.forward_uncached(tokens)
         spelled_sdpa = sdpa(tokens, positions)
     torch.testing.assert_close(cached, textbook, rtol=1e-5, atol=1e-5)  # the logits and the softmax are fp32 by design
     torch.testing.assert_close(spelled_sdpa, textbook, rtol=1e-5, atol=1e-5)
@@ -44,7 +44,7 @@ def test_decode_steps_at_ragged_positions_equal_recomputing_each_sequence():
             positions = torch.tensor(lengths)[:, None] + step
             logits, features = m(tokens, positions)
             for row, n in enumerate(lengths):
-                full_logits, full_features = m.forward_decompressed(seqs[row][None, : n + step + 1])
+                full_logits, full_features = m.forward_uncached(seqs[row][None, : n + step + 1])
                 torch.testing.assert_close(logits[row, 0], full_logits[0, -1], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(features[row, 0], full_features[0, -1], rtol=1e-5, atol=1e-5)
     assert m.feature_width == 2 * cfg.dim and m.vocab_size == cfg.vocab_size
@@ -93,3 +93,17 @@ def test_mla_target_shards_and_matches_itself_unsharded(size, interleave, form):
         for i in range(cfg.n_layers) for name, width in (("kv_cache", cfg.kv_lora_rank), ("pe_cache", cfg.qk_rope_head_dim))
     }
     assert ranks[0]["collectives"] == [2 * cfg.n_layers if size > 1 else 0] * 2, "one all-gather + wait per layer"
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()])
+def test_casting_the_model_after_construction_keeps_fp32_rope_tables(cast):
+    """A user's ``model.to(torch.bfloat16)`` casts every floating buffer; the rotation
+    tables must stay the fp32 ones, or every position's rotation is rounded."""
+    from dcp_compile.models.llama import Llama, LlamaConfig
+
+    for built in (MLATransformer(MLAConfig()), Llama(LlamaConfig())):
+        fresh_cos, fresh_sin = built.rope_cos.clone(), built.rope_sin.clone()
+        cast(built)
+        assert built.rope_cos.dtype == built.rope_sin.dtype == torch.float32, type(built).__name__
+        assert torch.equal(built.rope_cos, fresh_cos) and torch.equal(built.rope_sin, fresh_sin)
+        assert built.output.weight.dtype != torch.float32
