@@ -43,15 +43,16 @@ def sync(device) -> None:
 
 
 def graph_times(decoder, k: int, reps: int) -> dict:
-    """Median milliseconds of each captured graph's replay, and one step's sum."""
-    verify, commit, draft = decoder.graph_runners
+    """Median milliseconds of each captured graph's replay, and one step's sum (a group
+    of size 1 verifies in place: no commit graph, 0 ms)."""
+    verify, commit, draft = decoder.graphs.target_verify, decoder.graphs.commit_c, decoder.graphs.draft_step
     times = {}
 
     def replay_ms(graph) -> float:
         return median_ms(graph.replay, reps)
 
     (times["verify"],) = [replay_ms(c.graph) for c in verify.graphs.values()]
-    (times["commit"],) = [replay_ms(c.graph) for c in commit.graphs.values()]
+    (times["commit"],) = [replay_ms(c.graph) for c in commit.graphs.values()] if commit is not None else [0.0]
     for signature, captured in draft.graphs.items():
         tokens = signature[0][0][1]
         times["draft_extend" if tokens > 1 else "draft_step"] = replay_ms(captured.graph)

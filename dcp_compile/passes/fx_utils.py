@@ -36,8 +36,13 @@ def source_line(node: Node) -> str:
             where = line.replace("File ", "").replace('"', "").replace(", line ", ":").split(",")[0]
             frames.append(f"{where}: {lines[i + 1] if i + 1 < len(lines) else ''}")
     # The innermost frame outside torch itself: F.pad's wrapper is not the user's line.
-    user = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.split(":")[0]]
+    # torch is told by its package directory, not by a "torch" anywhere in the path: an
+    # environment under /opt/torch/.venv holds transformers' and the user's files too.
+    user = [f for f in frames if not f.startswith(_TORCH_PACKAGE)]
     return (user or frames or lines)[-1]
+
+
+_TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
 
 
 def where(node: Node) -> str:

@@ -231,7 +231,10 @@ class SpecGraphs:
         self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
         self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         self.commit = KVCommit(target)
-        self.commit_c = torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
+        # A group of size 1 verifies in place: there is nothing to commit, and a captured
+        # commit would be an empty CUDA graph replayed (with its input copies) every step.
+        self.commit_c = (torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
+                         if self.commit.needed else None)
         # The per-step calls (verify, commit, draft extend and chain step) have fixed
         # shapes; prefill chunks stay uncaptured.
         self.graph_runners: list = []
@@ -240,10 +243,12 @@ class SpecGraphs:
             from dcp_compile.runtime.cuda_graphs import GraphRunner
 
             pool = torch.cuda.graph_pool_handle()
-            self.target_verify, self.commit_c, self.draft_step = (
-                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.commit_c, self.draft_forward)
+            self.target_verify, self.draft_step = (
+                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.draft_forward)
             )
-            self.graph_runners = [self.target_verify, self.commit_c, self.draft_step]
+            if self.commit_c is not None:
+                self.commit_c = GraphRunner(self.commit_c, pool=pool)
+            self.graph_runners = [r for r in (self.target_verify, self.commit_c, self.draft_step) if r is not None]
 
 
 @dataclass
@@ -397,7 +402,8 @@ class DeviceStep:
             self.check_ranks_agree(self.verify_steps, logits, drafts, accepted, bonus)
         new_tokens = torch.cat([drafts, bonus[:, None]], dim=1)
         new_tokens[rows, accepted] = bonus
-        g.commit_c(state.length, torch.where(state.active, accepted + 1, 0))
+        if g.commit_c is not None:
+            g.commit_c(state.length, torch.where(state.active, accepted + 1, 0))
         # Draft-extend over the accepted positions: (feature_p, token_{p+1}) for p = L..L+a.
         extend_tokens = torch.where(steps[None, :] < accepted[:, None], new_tokens, bonus[:, None])
         extend_logits, extend_hidden = g.draft_step(extend_tokens, verify_positions, features, accepted[:, None])

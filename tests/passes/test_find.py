@@ -177,3 +177,29 @@ def test_a_write_into_a_tensor_made_in_the_graph_is_no_cache():
     gm, _ = capture_graph(module, *graphs.inputs_for(module))
     plan = find(gm)
     assert plan.caches == () and plan.writes == () and plan.sites == ()
+
+
+def test_the_source_line_skips_torch_frames_but_not_files_in_an_environment_named_torch():
+    """A stack trace from a virtual environment under ``/opt/torch/.venv``: transformers'
+    line is the user's, torch's own wrapper is not."""
+    import os
+
+    from dcp_compile.passes.fx_utils import source_line
+
+    torch_dir = os.path.dirname(torch.__file__)
+    trace = "\n".join([
+        '  File "/srv/app/serve.py", line 12, in step',
+        "    logits = model(input_ids)",
+        '  File "/opt/torch/.venv/lib/python3.12/site-packages/transformers/masking_utils.py", line 140, in sliding',
+        "    return kv_idx > q_idx - sliding_window",
+        f'  File "{torch_dir}/nn/functional.py", line 5000, in pad',
+        "    return torch._C._nn.pad(input, pad)",
+    ])
+    node = torch.fx.Graph().placeholder("mask")
+    node.meta["stack_trace"] = trace
+    assert source_line(node) == (
+        "/opt/torch/.venv/lib/python3.12/site-packages/transformers/masking_utils.py:140: "
+        "return kv_idx > q_idx - sliding_window"
+    )
+    node.meta["stack_trace"] = "\n".join(trace.splitlines()[-2:])
+    assert source_line(node).startswith(f"{torch_dir}/nn/functional.py:5000"), "only torch frames: the innermost"

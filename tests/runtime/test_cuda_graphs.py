@@ -30,7 +30,7 @@ def test_steady_state_neither_recompiles_nor_recaptures():
     graphed = decoder(device, True)
     first = graphed.generate(PROMPTS, 40)
     compiles, captures = counters["stats"]["unique_graphs"], [r.captures for r in graphed.graph_runners]
-    assert captures == [1, 1, 2], "verify, commit, and the draft's extend and step shapes"
+    assert captures == [1, 2], "verify, and the draft's extend and step shapes (one GPU: no commit to capture)"
     second = graphed.generate(PROMPTS, 40)
     assert counters["stats"]["unique_graphs"] == compiles, "the second generation compiled a graph"
     assert [r.captures for r in graphed.graph_runners] == captures, "the second generation recaptured"

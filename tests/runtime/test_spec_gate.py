@@ -33,6 +33,8 @@ def test_eagle3_gate(size, off_arm):
     assert dcp_arm["collectives"]["draft"] == [0, 0, 0], "draft prefill, step and extend graphs: no collective"
     assert dcp_arm["verify_all_gathers"] == [4], "verify: one all-gather per target attention layer"
     assert dcp_arm["draft_cache"] == (4, 2, 96, 16), "the draft cache stays whole"
+    assert dcp_arm["commit_compiled"], "a sharded target's verify stages its K/V: the commit moves it"
+    assert not off_arm["eagle3"]["commit_compiled"], "a group of size 1 verifies in place: no commit graph"
 
 
 def test_eagle_gate(off_arm):

@@ -216,6 +216,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
         tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
         finished=[o.finished_by for o in outputs], streamed=[streamed[i] for i in range(len(prompts))],
         collectives=collectives, draft_cache=tuple(draft.attention.k_cache.shape),
+        commit_compiled=decoder.graphs.commit_c is not None,
     )
 
 
