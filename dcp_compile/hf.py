@@ -269,7 +269,8 @@ class DCPStaticCache(Cache):
             layer.reset()
 
 
-def static_width_masks(config, inputs_embeds, attention_mask, cache, position_ids=None, **kwargs):
+def static_width_masks(config, inputs_embeds, attention_mask, cache=None, position_ids=None, *, past_key_values=None,
+                       **kwargs):
     """``generate``'s mask hook (``create_masks_for_generate``) for a ``DCPStaticCache``:
     the 2-D padding mask, right-padded with False to the cache's global capacity.
 
@@ -279,9 +280,11 @@ def static_width_masks(config, inputs_embeds, attention_mask, cache, position_id
     ``mask[b, s]``; the passes prove that form and read the padding at the global
     position each local slot holds.  A fixed width keeps one graph for every decode step
     (the mask ``generate`` keeps grows by a column each step).  Any other cache gets
-    transformers' own masks."""
+    transformers' own masks.  ``generate`` passes the cache as ``cache`` from
+    transformers 5.24 on, as ``past_key_values`` before."""
     from transformers.masking_utils import create_masks_for_generate
 
+    cache = cache if cache is not None else past_key_values
     if not isinstance(cache, DCPStaticCache):
         return create_masks_for_generate(config, inputs_embeds, attention_mask, cache, position_ids, **kwargs)
     rows = cache.store.k_0.shape[0]
@@ -305,7 +308,8 @@ def static_width_masks(config, inputs_embeds, attention_mask, cache, position_id
 
 
 def compile_for_generate(model: nn.Module, group: DCPGroup, **backend_options):
-    """Make ``model.generate(..., cache=DCPStaticCache(...))`` run under DCP.
+    """Make ``model.generate(..., cache=DCPStaticCache(...))`` run under DCP (the keyword is
+    ``past_key_values`` before transformers 5.24: ``cache_kwarg(model)`` names it).
 
     - ``model.forward`` is compiled by ``dcp.backend(group, **backend_options)`` with
       ``fullgraph=True, dynamic=False``, so the prefill and every decode step run

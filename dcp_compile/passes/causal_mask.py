@@ -299,8 +299,11 @@ class _Interpreter:
     def _additive(self, node, out_shape):
         """``torch.where(allowed, 0, -inf)``: an additive float mask equal to a boolean one."""
         cond, keep, drop = (arg(node, i, n) for i, n in enumerate(("condition", "input", "other")))
-        # Hugging Face's eager mask keeps with a zero scalar tensor: torch.zeros((), dtype=...).
-        if isinstance(keep, Node) and op_name(keep) == "zeros" and tuple(fake_value(keep).shape) == ():
+        # Hugging Face's eager mask keeps with a zero scalar tensor: torch.zeros((), dtype=...)
+        # from transformers 5.24 on, torch.tensor(0.0, dtype=...) before.
+        if isinstance(keep, Node) and tuple(fake_value(keep).shape) == () and (
+            op_name(keep) == "zeros" or (op_name(keep) == "tensor" and keep.args[:1] in ((0,), (0.0,)))
+        ):
             keep = 0
         if not (isinstance(keep, (int, float)) and keep == 0 and isinstance(drop, (int, float)) and drop <= -1e4):
             raise _Unsupported(node, "torch.where other than where(allowed, 0, -inf)")

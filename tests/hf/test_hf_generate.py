@@ -65,6 +65,7 @@ def test_generate_padding_matters(reference):
     otherwise: the parity above tests the key mask, not only the causal one."""
     from transformers import StaticCache
 
+    from dcp_compile.hf import cache_kwarg
     from tests.hf.workers import make_hf_model
 
     _, expected = reference
@@ -73,7 +74,7 @@ def test_generate_padding_matters(reference):
     with torch.no_grad():
         unmasked = model.generate(ids, attention_mask=torch.ones_like(mask), max_new_tokens=8, do_sample=False,
                                   pad_token_id=0, disable_compile=True,
-                                  cache=StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN))
+                                  **{cache_kwarg(model): StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)})
     assert not torch.equal(unmasked, expected["greedy"])
 
 

@@ -311,13 +311,16 @@ def hf_generate_reference(eos_token: int):
     """Transformers' own generate() with its StaticCache, one process, uncompiled."""
     from transformers import StaticCache
 
+    from dcp_compile.hf import cache_kwarg
+
     model = make_hf_model("llama")
     ids, mask = left_padded_prompts()
+    kw = cache_kwarg(model)
 
     def generate(seed, **options):
         torch.manual_seed(seed)
         cache = StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)
-        return model.generate(ids, attention_mask=mask, cache=cache, disable_compile=True, **options)
+        return model.generate(ids, attention_mask=mask, **{kw: cache}, disable_compile=True, **options)
 
     return hf_generate_runs(generate, eos_token)
 
@@ -328,10 +331,11 @@ def hf_generate_worker(rank, size, eos_token):
     by each refusal."""
     from transformers import CompileConfig
 
-    from dcp_compile.hf import DCPStaticCache, compile_for_generate
+    from dcp_compile.hf import DCPStaticCache, cache_kwarg, compile_for_generate
 
     group = dcp.init_group("cpu")
     model = make_hf_model("llama")
+    kw = cache_kwarg(model)  # before compile_for_generate wraps forward
     backend = compile_for_generate(model, group, lowering="aot_eager")
     ids, mask = left_padded_prompts()
     cache = DCPStaticCache(model.config, group, max_batch_size=len(ids), max_cache_len=MAX_SEQ_LEN)
@@ -339,7 +343,7 @@ def hf_generate_worker(rank, size, eos_token):
     def generate(seed, **options):
         cache.reset()
         torch.manual_seed(seed)
-        return model.generate(ids, attention_mask=mask, cache=cache, **options)
+        return model.generate(ids, attention_mask=mask, **{kw: cache}, **options)
 
     with torch.no_grad():
         runs = hf_generate_runs(generate, eos_token)
@@ -360,18 +364,18 @@ def hf_generate_worker(rank, size, eos_token):
 
     common = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0)
     plain = make_hf_model("llama")
-    attempt("beam search", fresh(), lambda c: model.generate(ids, cache=c, num_beams=2, **common))
+    attempt("beam search", fresh(), lambda c: model.generate(ids, **{kw: c}, num_beams=2, **common))
     attempt("beam search, rows to match", fresh(rows=2 * len(ids)),
-            lambda c: model.generate(ids, cache=c, num_beams=2, **common))
-    attempt("assisted generation", fresh(), lambda c: model.generate(ids, cache=c, assistant_model=plain, **common))
+            lambda c: model.generate(ids, **{kw: c}, num_beams=2, **common))
+    attempt("assisted generation", fresh(), lambda c: model.generate(ids, **{kw: c}, assistant_model=plain, **common))
     plain = make_hf_model("llama")
     attempt("transformers' compile_config", fresh(plain),
-            lambda c: plain.generate(ids, cache=c, compile_config=CompileConfig(backend=dcp.backend(group)), **common))
+            lambda c: plain.generate(ids, **{kw: c}, compile_config=CompileConfig(backend=dcp.backend(group)), **common))
     own = make_hf_model("llama")
     own.forward = torch.compile(own.forward, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True,
                                 dynamic=False)
     attempt("forward compiled, generate's own 4-D mask", fresh(own),
-            lambda c: own.generate(ids, cache=c, disable_compile=True, **common))
+            lambda c: own.generate(ids, **{kw: c}, disable_compile=True, **common))
     with torch.no_grad():
         after_refusals = generate(7, max_new_tokens=8, pad_token_id=0, do_sample=False)
     return dict(runs=runs, after_refusals=after_refusals, errors=errors, untouched=untouched,

@@ -62,6 +62,11 @@ PROVEN = {
     "not gt": lambda s, p: ~(s[None, :] > p[:, None]),
     "and with all-true": lambda s, p: p.new_ones((), dtype=torch.bool) & causal(s, p),
     "additive": lambda s, p: torch.where(causal(s, p), 0.0, float("-inf")),
+    # transformers' eager masks: a zero scalar tensor kept, the dtype's minimum dropped
+    "additive, transformers 5.24": lambda s, p: torch.where(
+        causal(s, p), torch.zeros((), dtype=torch.float32), torch.finfo(torch.float32).min),
+    "additive, transformers 5.17": lambda s, p: torch.where(
+        causal(s, p), torch.tensor(0.0, dtype=torch.float32), torch.finfo(torch.float32).min),
 }
 
 REFUSED = {
@@ -70,6 +75,8 @@ REFUSED = {
     "union": (lambda s, p: causal(s, p) | (s[None, :] == 0), "or_"),
     "slot-aligned tril": (lambda s, p: torch.ones(p.shape[0], graphs.S, dtype=torch.bool).tril(), "ones"),
     "no mask": (lambda s, p: None, "has no mask"),
+    "additive, keeps a bias": (lambda s, p: torch.where(causal(s, p), torch.tensor(0.5), torch.finfo(torch.float32).min),
+                               "torch.where other than where"),
 }
 
 
