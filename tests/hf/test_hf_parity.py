@@ -44,6 +44,22 @@ def test_hf_parity(size):
             assert r["wrapper_collectives"] == [4, 4]
 
 
+def test_more_hf_families():
+    """Qwen3 (per-head q/k norms), Phi-3 (fused qkv and gate-up projections), Granite
+    (scaled embeddings, residuals and logits), OLMo2 (norms after attention and MLP, q/k
+    norms over all heads) and Gemma (scaled embeddings, GeGLU): transformers' own files,
+    in the user's StaticCache loop, two of them also through DCPCausalLM."""
+    families = (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False))
+    ranks = spawn_ranks(hf_parity_worker, 2, families, "aot_eager", STEPS, timeout=600)
+    local = -(-MAX_SEQ_LEN // 2) + 1
+    for family, wrapped in families:
+        assert_parity(ranks, family)
+        r = ranks[0][family]
+        assert r["local_cache"] == (2, 2, local, 16) and r["collectives"] == [4, 4], family
+        if wrapped:
+            assert r["wrapper_collectives"] == [4, 4], family
+
+
 @pytest.mark.inductor
 def test_hf_parity_inductor():
     assert_parity(spawn_ranks(hf_parity_worker, 2, (("llama", False),), "inductor", 3, timeout=900), "llama")

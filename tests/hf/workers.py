@@ -20,21 +20,28 @@ def hf_config(family: str, **overrides):
 
     shapes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=MAX_SEQ_LEN, attn_implementation="sdpa")
-    if family == "mistral":
-        shapes["sliding_window"] = None
+    shapes.update(FAMILY_SHAPES.get(family, {}))
     shapes.update(overrides)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[family]
-    return cls(**shapes)
+    return getattr(transformers, HF_FAMILIES[family] + "Config")(**shapes)
+
+
+HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3",
+               "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma"}
+"""Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
+FAMILY_SHAPES = {
+    "mistral": dict(sliding_window=None),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=1),  # its defaults lie past a 128-token vocabulary
+    "qwen3": dict(head_dim=16),  # Qwen3's default is 128 whatever the width
+    "gemma": dict(head_dim=16),  # Gemma's default is 256
+}
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
     import transformers
 
     config = hf_config(family, **overrides)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "mistral": transformers.MistralForCausalLM}[family]
     torch.manual_seed(seed)
-    return init_weights(cls(config), seed).eval()
+    return init_weights(getattr(transformers, HF_FAMILIES[family] + "ForCausalLM")(config), seed).eval()
 
 
 def own_loop(forward, prompt: torch.Tensor, steps: int, cache_kwargs: dict):
