@@ -206,6 +206,14 @@ class DCPStaticCache(Cache):
                 f"DCPStaticCache holds {keys.shape[0]} rows. Split the batch, or build the cache with "
                 f"max_batch_size={key_states.shape[0]}"
             )
+        expected, found = (keys.shape[1], keys.shape[3]), (key_states.shape[1], key_states.shape[3])
+        if found != expected or value_states.shape[1::2] != key_states.shape[1::2]:
+            raise ValueError(
+                f"layer {layer_idx} writes keys of {found[0]} heads x {found[1]} and values of "
+                f"{value_states.shape[1]} x {value_states.shape[3]}, but the DCPStaticCache was sized from the config "
+                f"for {expected[0]} x {expected[1]} (num_key_value_heads or num_attention_heads, head_dim or "
+                f"hidden_size // num_attention_heads): build it from the config the model was built with"
+            )
         if self.layout.size > 1:
             # Only a graph dcp.backend compiled may write a shard: every other route
             # (an uncompiled or half-compiled loop) stops here, before the write.  (A

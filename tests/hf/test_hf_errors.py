@@ -12,7 +12,7 @@ from tests.support import capture_graph
 pytest.importorskip("transformers")
 
 from dcp_compile.hf import DCPCausalLM, DCPStaticCache, cache_kwarg  # noqa: E402
-from tests.hf.workers import MAX_SEQ_LEN, make_hf_model  # noqa: E402
+from tests.hf.workers import MAX_SEQ_LEN, hf_config, make_hf_model  # noqa: E402
 from tests.passes import graphs  # noqa: E402
 
 
@@ -91,6 +91,21 @@ def test_own_loop_past_max_cache_len_is_refused_before_writing():
                                              rf"\[{MAX_SEQ_LEN - 2}, {MAX_SEQ_LEN + 1}\]"):
             model_c(input_ids=torch.ones(2, 4, dtype=torch.long), **{cache_kwarg(model): cache})
         assert int(cache.length) == MAX_SEQ_LEN - 2, "nothing was written"
+
+
+def test_a_cache_sized_for_other_heads_is_refused_naming_both_shapes():
+    """A DCPStaticCache built from a config that is not the model's (here one KV head
+    where the model has two) would fail deep in an index_copy_ under Dynamo."""
+    model = make_hf_model("llama")
+    other = hf_config("llama", num_key_value_heads=1)
+    group = dcp.init_group("cpu")
+    model_c = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    expected = r"layer 0 writes keys of 2 heads x 16 .* sized from the config for 1 x 16"
+    for forward in (model, model_c):
+        cache = DCPStaticCache(other, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+        with torch.no_grad(), pytest.raises(Exception, match=expected):
+            forward(input_ids=torch.ones(2, 3, dtype=torch.long), **{cache_kwarg(model): cache})
+        assert int(cache.length) == 0 and not cache.store.k_0.any(), "nothing was written"
 
 
 def test_wrapper_gives_the_model_back_without_its_hooks():
