@@ -24,6 +24,11 @@ values per head, token and slot.  Timing as ``bench_kernel.py``: medians over
 ``--rounds`` interleaved rounds of the median of CUDA-graph replays, each graph reading at
 least 512 MiB so that no call is served from L2.
 
+``--window`` times the causal form instead (``dcp::latent_window_attention``, a prefill
+chunk's T new tokens as keys): positions in order, where each tile of 64 tokens stops at
+the last key it sees, against every position equal, where every tile reads every key
+(the work of a window without that cut).
+
 ``--sweep`` times the kernel alone over ``LATENT_TILE_CHOICES`` (rows per program,
 slots per step, warps, pipeline stages) at a memory-bound, a compute-bound and a verify
 point, and prints the best tiles beside the defaults.
@@ -58,6 +63,8 @@ SWEEP_STAGES = dict(memory=(2, 3, 4), compute=(2, 3))
 """Pipeline depths tried: a memory-bound point (16 rows) wants loads in flight; the
 compute-bound tiles (64 rows of a 512-wide accumulator) leave little shared memory."""
 SMOKE_POINTS = ((2, 4, 1, 96), (2, 4, 4, 96))
+WINDOW_POINTS = ((4, 16, 1024), (4, 16, 2048), (4, 16, 4096), (1, 128, 1024))
+"""(batch, H, T) of a prefill chunk's window."""
 CHECK_TOLERANCE = dict(out=3e-2, lse=1e-3)
 
 
@@ -66,6 +73,7 @@ def parse_args():
     parser.add_argument("--out", required=True, help="write the JSON results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the kernel under TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tiles at three points, not the arms")
+    parser.add_argument("--window", action="store_true", help="the causal window of a prefill chunk, not the prefix")
     parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"))
     parser.add_argument("--sweep-points", type=int, nargs="*", help="indices into SWEEP_POINTS (default: all)")
     parser.add_argument("--sweep-tiles", nargs="*", default=(), metavar="NAME=V,V",
@@ -89,7 +97,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from _report import Timer, cell, copy_arms, kilo, short_error, timed_rounds  # noqa: E402
-from dcp_compile.ops import latent_prefix_attention_triton  # noqa: E402
+from dcp_compile.ops import latent_prefix_attention_triton, latent_window_attention_triton  # noqa: E402
 from dcp_compile.ops.attention import latent_prefix_attention_reference  # noqa: E402
 from dcp_compile.ops.triton_prefix import LATENT_TILE_CHOICES, latent_tiles  # noqa: E402
 
@@ -205,6 +213,25 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
     return point
 
 
+def window_point(batch, heads, tokens, device, timer) -> dict:
+    """The window kernel over ``tokens`` new tokens: positions in order against all equal."""
+    gen = torch.Generator(device=device).manual_seed(batch * 7 + heads * 5 + tokens)
+    q, caches = make_inputs(batch, heads, tokens, tokens, device, 1, gen)
+    (latent, rope), scale = caches[0], (128 + R) ** -0.5
+    window = torch.ops.dcp.latent_window_attention if device.type == "cuda" else latent_window_attention_triton
+    in_order = torch.arange(1000, 1000 + tokens, device=device).expand(batch, tokens).contiguous()
+    all_equal = torch.full_like(in_order, 1000 + tokens - 1)
+    prepared = {}
+    for name, positions in (("in_order", in_order), ("all_equal", all_equal)):
+        run, method = timer.prepare([lambda p=positions: window(q, latent, rope, p, scale)])
+        prepared[name] = (run, 1, method)
+    point = dict(batch=batch, heads=heads, t=tokens, arms={})
+    for name, (seconds, rounds) in timed_rounds(prepared, timer, ARGS.rounds).items():
+        point["arms"][name] = dict(ms=seconds * 1e3, method=prepared[name][2], round_ms=[r * 1e3 for r in rounds])
+    point["in_order_over_all_equal"] = point["arms"]["in_order"]["ms"] / point["arms"]["all_equal"]["ms"]
+    return point
+
+
 def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
     """The kernel alone under every tile choice that compiles, best first."""
     cache_bytes = batch * context * (C + R) * 2
@@ -304,6 +331,15 @@ def main() -> int:
         print("the kernel disagrees with the reference: no timings", file=sys.stderr)
         Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=False), indent=1))
         return 1
+    if ARGS.window:
+        windows = [window_point(*p, device, timer) for p in (((2, 4, 96),) if ARGS.smoke else WINDOW_POINTS)]
+        print("\n| B | H | T | in order ms | all equal ms | in order / all equal |\n|---|---|---|---|---|---|")
+        for w in windows:
+            print(f"| {w['batch']} | {w['heads']} | {w['t']} | {w['arms']['in_order']['ms']:.3f} "
+                  f"| {w['arms']['all_equal']['ms']:.3f} | {w['in_order_over_all_equal']:.2f} |", flush=True)
+        env["seconds"] = round(time.monotonic() - started, 1)
+        Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, windows=windows), indent=1))
+        return 0
     if ARGS.sweep:
         points = SMOKE_POINTS[:1] if ARGS.smoke else SWEEP_POINTS
         if ARGS.sweep_points is not None:

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dcp_compile.ops.triton_flash import cache_length
+from dcp_compile.ops.triton_prefix import _split_range
+
 C, R = 512, 64
 
 
@@ -43,10 +46,7 @@ def _variant_kernel(
     if not QLOOP:
         q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
         q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
-    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
-    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+    lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
     kv_base = KV + b * s_cb
     pe_base = PE + b * s_pb
     m = tl.full([ROWS], float("-inf"), tl.float32)

@@ -145,3 +145,11 @@ def test_the_latent_kernel_benchmark_runs_under_the_interpreter(tmp_path):
     (sweep,) = json.loads(swept.read_text())["sweeps"]
     assert [r["block_s"] for r in sorted(sweep["results"], key=lambda r: r["block_s"])] == [16, 64]
     assert [r["ms"] for r in sweep["results"]] == sorted(r["ms"] for r in sweep["results"])
+    windowed = tmp_path / "window.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_latent_kernel.py"), "--smoke", "--window",
+                           "--rounds", "1", "--out", str(windowed)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (window,) = json.loads(windowed.read_text())["windows"]
+    assert (window["heads"], window["t"]) == (4, 96) and set(window["arms"]) == {"in_order", "all_equal"}
+    assert window["in_order_over_all_equal"] == pytest.approx(
+        window["arms"]["in_order"]["ms"] / window["arms"]["all_equal"]["ms"])

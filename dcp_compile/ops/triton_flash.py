@@ -84,6 +84,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def cache_length(KV_LEN, b, S):
+    """Sequence ``b``'s cache length clamped to ``[0, S]``: a bad length never reads past
+    the cache (the split kernels of ``triton_prefix.py`` share it)."""
+    return tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+
+
+@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, KV_LEN, POS, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -128,7 +135,7 @@ def _flash_fwd_kernel(
             full = tl.minimum(full, tl.min(tl.where(in_range & (k_pos > q_min), offs, T), 0))
             hi = tl.maximum(hi, tl.max(tl.where(in_range & (k_pos <= q_max), offs + 1, 0), 0))
     else:
-        hi = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
+        hi = cache_length(KV_LEN, b, S)
         full = hi
 
     offs_n = tl.arange(0, BLOCK_N)

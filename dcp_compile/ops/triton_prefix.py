@@ -75,7 +75,9 @@ from dcp_compile.ops.attention import (
     latent_prefix_attention, latent_prefix_attention_reference, latent_window_attention,
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
-from dcp_compile.ops.triton_flash import check_inputs, prefix_flash_triton  # imports nothing of this module: no cycle
+from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
+    SCAN_BLOCK, cache_length, check_inputs, prefix_flash_triton,
+)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 64
@@ -126,6 +128,27 @@ def _masked_softmax_step(scores, visible, m, l):
 
 
 @triton.jit
+def _split_range(kv_len, num_splits, split, BLOCK_S: tl.constexpr):
+    """Slots ``[lo, hi)`` of slice ``split`` of a sequence's ``kv_len``: whole blocks, each
+    program cutting its own sequence's length."""
+    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
+    lo = split * split_len
+    return lo, tl.minimum(lo + split_len, kv_len)
+
+
+@triton.jit
+def _window_end(POS_ROW, s_post, T, q_max, SCAN: tl.constexpr):
+    """One past the last of the ``T`` new tokens that a query at position ``q_max`` sees:
+    past it, the causal window's blocks are masked for every row of the tile."""
+    end = tl.full([], 0, tl.int32)
+    for start in range(0, T, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        k_pos = tl.load(POS_ROW + offs * s_post, mask=offs < T, other=0)
+        end = tl.maximum(end, tl.max(tl.where((offs < T) & (k_pos <= q_max), offs + 1, 0), 0))
+    return end
+
+
+@triton.jit
 def _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_d, row_ok):
     """``acc / l`` and the natural-log lse of one program's rows; 0 and -inf where no slot was seen."""
     seen = l > 0.0
@@ -164,10 +187,7 @@ def _prefix_split_kernel(
         mask=row_ok[:, None], other=0.0,
     )
 
-    kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
-    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+    lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
     k_base = K + b * s_kb + kv_head.to(tl.int64) * s_kh
     v_base = V + b * s_vb + kv_head.to(tl.int64) * s_vh
 
@@ -334,7 +354,7 @@ def _latent_split_kernel(
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, SCAN: tl.constexpr,
 ):
     """MLA's prefix: every query head against one latent head.  Scores add ``q[:C] .
     latent`` and ``q[C:] . rope_key``; the values are the latent tile already loaded for
@@ -361,14 +381,11 @@ def _latent_split_kernel(
     q_lat = tl.load(q_rows + offs_c[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_rows + (C + offs_r[None, :]) * s_qd, mask=row_ok[:, None], other=0.0)
 
-    if CAUSAL:
-        kv_len = S
+    if CAUSAL:  # one slice (num_splits = 1), over the keys some row of the tile sees
         q_pos = tl.load(POS + b * s_posb + tok * s_post, mask=row_ok, other=0)  # padding rows are not stored
+        lo, hi = 0, _window_end(POS + b * s_posb, s_post, S, tl.max(q_pos, 0), SCAN)
     else:
-        kv_len = tl.minimum(tl.maximum(tl.load(KV_LEN + b), 0), S).to(tl.int32)
-    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+        lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
     kv_base = KV + b * s_cb
     pe_base = PE + b * s_pb
 
@@ -472,6 +489,7 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
         rope.stride(3), *(positions.stride() if causal else (0, 0)), *o_strides, *l_strides,
         ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
+        SCAN=max(16, min(SCAN_BLOCK, triton.next_power_of_2(S))) if causal else 16,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)

@@ -145,6 +145,10 @@ WINDOW_CASES = {
     "chunk-t100-bf16": make_window_case(27, t=100, h=2, positions=[list(range(300, 400)), list(range(99, -1, -1))],
                                         dtype=torch.bfloat16),
     "chunk-t40-fp32-block16": make_window_case(28, t=40, h=3, positions=[list(range(40))], block_s=16),
+    # past 1024 new tokens the scan for the tile's last visible key takes two steps; early
+    # tiles of sorted positions stop there, the reversed row's tiles see key 0 and go on
+    "chunk-t1100-scan-twice": make_window_case(30, t=1100, h=1, c=16, r=16,
+                                               positions=[list(range(1100)), list(range(1099, -1, -1))]),
     # positions as int32 (the graph keeps the caller's dtype)
     "int32-positions": dict(make_window_case(29, t=6, h=4), positions=torch.tensor([[4, 5, 6, 7, 8, 9], [1, 0, 3, 2, 5, 4]],
                                                                                     dtype=torch.int32)),
