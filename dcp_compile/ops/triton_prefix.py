@@ -455,8 +455,41 @@ def latent_tiles(rows_wanted: int, width: int, element_size: int) -> dict:
     return dict(rows=rows, block_s=1 << (fit.bit_length() - 1), num_warps=warps, num_stages=stages)
 
 
+def check_latent_inputs(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, kv_len, positions) -> None:
+    """Refuse what the latent kernel cannot run (a batch, dtype or device that disagrees,
+    a length tensor of another shape), saying what it expected, what it got and the fix:
+    the kernel itself would read past a tensor or fail to compile."""
+    window = positions is not None
+    name, extra = ("positions", positions) if window else ("kv_len", kv_len)
+    if q.dim() != 4 or latent.dim() != 4 or rope.dim() != 4:
+        raise ValueError(f"the latent kernel takes 4-D q, latent and rope; got {tuple(q.shape)}, "
+                         f"{tuple(latent.shape)}, {tuple(rope.shape)}")
+    B, _, T, _ = q.shape
+    if latent.shape[0] != B or rope.shape[0] != B or latent.shape[2] != rope.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, latent {tuple(latent.shape)} and rope {tuple(rope.shape)} must share the batch B "
+            f"(dim 0), and latent and rope the slots (dim 2)"
+        )
+    if window and latent.shape[2] != T:
+        raise ValueError(
+            f"the latent window takes T new tokens in q [B, H, T, .], latent [B, 1, T, C] and positions [B, T]; got "
+            f"{tuple(q.shape)}, {tuple(latent.shape)}, {tuple(positions.shape)}"
+        )
+    if not (q.dtype == latent.dtype == rope.dtype):
+        raise TypeError(f"the latent kernel takes q, latent and rope of one dtype; got {q.dtype}, {latent.dtype}, "
+                        f"{rope.dtype}: cast them to one of {SUPPORTED_DTYPES}")
+    shape = (B, T) if window else (B,)
+    if tuple(extra.shape) != shape or extra.dtype.is_floating_point or extra.dtype.is_complex or extra.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor {list(shape)}, got {extra.dtype} {tuple(extra.shape)}")
+    devices = {t.device for t in (q, latent, rope, extra)}
+    if len(devices) > 1:
+        raise ValueError(f"q, latent, rope and {name} must be on one device, got {q.device}, {latent.device}, "
+                         f"{rope.device}, {extra.device}; move them with .to(q.device)")
+
+
 def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict):
     """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``)."""
+    check_latent_inputs(q, latent, rope, kv_len, positions)
     if not latent_kernel_fits(q, latent, rope):
         raise ValueError(
             f"the latent kernel takes q [B, H, T, C + R] with H * T <= {MAX_GRID_Y * MAX_ROWS}, latent [B, 1, S, C] "
@@ -534,11 +567,6 @@ def latent_window_attention_triton(
     new tokens' ``latent [B, 1, T, C]`` and ``rope [B, 1, T, R]``, causal by ``positions
     [B, T]``; ``(out fp32 [B, H, T, C], lse fp32 [B, H, T])``.  Tile overrides as for
     ``latent_prefix_attention_triton``."""
-    if latent.shape[2] != q.shape[2] or tuple(positions.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(
-            f"the latent window takes T new tokens in q [B, H, T, .], latent [B, 1, T, C] and positions [B, T]; got "
-            f"{tuple(q.shape)}, {tuple(latent.shape)}, {tuple(positions.shape)}"
-        )
     return _latent_launch(q, latent, rope, None, positions, scale, None,
                           dict(block_s=block_s, rows=rows, num_warps=num_warps, num_stages=num_stages))
 

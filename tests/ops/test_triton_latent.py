@@ -102,6 +102,29 @@ def test_default_tiles_are_choices_the_kernel_takes_and_fit_a_stage(rows_wanted,
     assert tiles["block_s"] == 16 or tiles["block_s"] * width * element_size <= LATENT_STAGE_BYTES
 
 
+BAD_LATENT_INPUTS = {
+    "latent of another batch": (lambda a: {**a, "latent": a["latent"][:2]}, r"must share the batch B"),
+    "rope of other slots": (lambda a: {**a, "rope": a["rope"][:, :, :100]}, r"latent and rope the slots"),
+    "bf16 latent, fp32 q": (lambda a: {**a, "latent": a["latent"].bfloat16()}, r"of one dtype; got torch.float32, "
+                                                                               r"torch.bfloat16"),
+    "float lengths": (lambda a: {**a, "kv_len": a["kv_len"].float()}, r"kv_len must be an integer tensor \[3\]"),
+    "lengths of another batch": (lambda a: {**a, "kv_len": a["kv_len"][:2]}, r"kv_len must be an integer tensor"),
+    "lengths on another device": (lambda a: {**a, "kv_len": a["kv_len"].to("meta")}, r"must be on one device"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LATENT_INPUTS))
+def test_bad_inputs_are_refused_before_the_kernel_runs(name):
+    """The kernel would read past a tensor (another batch) or fail to compile (mixed
+    dtypes): each input the launch cannot run is refused with what it expected."""
+    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+
+    change, expected = BAD_LATENT_INPUTS[name]
+    args, _ = make_case(14)
+    with pytest.raises((ValueError, TypeError), match=expected):
+        latent_prefix_attention_triton(**change(args))
+
+
 def test_a_tile_override_outside_the_choices_is_refused():
     from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
 
