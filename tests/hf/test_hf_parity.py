@@ -47,15 +47,19 @@ def test_hf_parity(size):
 def test_more_hf_families():
     """Qwen3 (per-head q/k norms), Phi-3 (fused qkv and gate-up projections), Granite
     (scaled embeddings, residuals and logits), OLMo2 (norms after attention and MLP, q/k
-    norms over all heads) and Gemma (scaled embeddings, GeGLU): transformers' own files,
-    in the user's StaticCache loop, two of them also through DCPCausalLM."""
-    families = (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False))
+    norms over all heads), Gemma (scaled embeddings, GeGLU), StableLM (rope on a quarter
+    of each head), Cohere (attention and MLP in parallel, scaled logits), GPT-NeoX (fused
+    qkv, parallel residual, no grouped KV heads) and Mixtral (a sparse mixture of experts):
+    transformers' own files, in the user's StaticCache loop, two also through DCPCausalLM."""
+    families = (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False),
+                ("stablelm", False), ("cohere", False), ("gptneox", False), ("mixtral", False))
     ranks = spawn_ranks(hf_parity_worker, 2, families, "aot_eager", STEPS, timeout=600)
     local = -(-MAX_SEQ_LEN // 2) + 1
     for family, wrapped in families:
         assert_parity(ranks, family)
         r = ranks[0][family]
-        assert r["local_cache"] == (2, 2, local, 16) and r["collectives"] == [4, 4], family
+        kv_heads = 4 if family == "gptneox" else 2
+        assert r["local_cache"] == (2, kv_heads, local, 16) and r["collectives"] == [4, 4], family
         if wrapped:
             assert r["wrapper_collectives"] == [4, 4], family
 

@@ -26,13 +26,16 @@ def hf_config(family: str, **overrides):
 
 
 HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3",
-               "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma"}
+               "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma", "stablelm": "StableLm", "cohere": "Cohere",
+               "gptneox": "GPTNeoX", "mixtral": "Mixtral"}
 """Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
 FAMILY_SHAPES = {
     "mistral": dict(sliding_window=None),
     "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=1),  # its defaults lie past a 128-token vocabulary
     "qwen3": dict(head_dim=16),  # Qwen3's default is 128 whatever the width
     "gemma": dict(head_dim=16),  # Gemma's default is 256
+    "gptneox": dict(num_key_value_heads=None, rotary_pct=0.5),  # no grouped KV heads; rope on half of each head
+    "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
