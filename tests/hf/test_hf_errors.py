@@ -174,6 +174,17 @@ def test_a_sharded_cache_written_outside_a_dcp_graph_is_refused_before_the_write
         assert "batch of 3 rows, but the model was prepared for max_batch=2" in r["batch_error"]
 
 
+def test_gemma2_logit_softcapping_is_refused_naming_the_tanh():
+    """Gemma-2 squashes the scores, tanh(scores / cap) * cap, before the softmax: not a
+    scale or mask the passes can carry to each shard's partial, so the attention is refused."""
+    model = make_hf_model("gemma2")
+    cache = DCPStaticCache(model.config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
+    gm, _ = capture_graph(OwnLoop(model, cache), torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(GraphPatternError, match=r"modeling_gemma2.py:\d+: attn_weights = nn.functional.softmax.* is "
+                                                r"taken of 'tanh' .*, not of q @ k.transpose"):
+        find(gm)
+
+
 def test_deepseek_latent_attention_is_refused_naming_why():
     """transformers' DeepseekV3 caches a compressed latent and a rope key per token (5.24;
     older versions per-head keys 192 wide and values 128 wide): not a cache these shard."""
