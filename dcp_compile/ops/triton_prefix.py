@@ -362,7 +362,9 @@ def _latent_split_kernel(
 
     ``CAUSAL``: MLA's window instead, the ``S = T`` new tokens as keys, key ``s`` seen by
     token ``t`` where ``POS[b, s] <= POS[b, t]``; ``KV_LEN`` is not read.  Positions may
-    come in any order, so a row may see nothing in a block: the masked softmax step.
+    come in any order, so a row may see nothing in a block: the masked softmax step; the
+    loop ends at the last key any row of the tile sees (``_window_end``), which for a
+    chunk in order halves the work.
 
     Rows are (head, token) pairs, ``ROWS`` of them a program: at decode all heads of a
     sequence share each load; for a prefill chunk of ``T`` tokens a program holds
