@@ -222,18 +222,33 @@ def check_inputs(
             f"the Triton {kernel} kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
             f"got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one of those"
         )
-    name, shape = ("kv_len", (B,)) if form == "prefix" else ("positions", (B, T))
-    if extra.shape != shape or extra.dtype.is_floating_point or extra.dtype.is_complex or extra.dtype == torch.bool:
+    window = form == "window"
+    check_index(f"{form}_attention", "positions" if window else "kv_len", extra, B, T if window else None,
+                {"q": q, kv[0]: k, kv[1]: v})
+
+
+def check_index(op: str, name: str, index: torch.Tensor, B: int, T: int | None, operands: dict) -> None:
+    """``index`` (``kv_len [B]``, or ``positions [B, T]`` where ``T`` is given) must be an
+    integer tensor of that shape on the one device of ``operands`` (name -> tensor): the
+    kernels index memory with it.  ``op`` names the caller in the messages."""
+    shape = (B,) if T is None else (B, T)
+    if tuple(index.shape) != shape or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise ValueError(
-            f"{name} must be an integer tensor {list(shape)} (B={B}" + (f", T={T}" if form == "window" else "")
-            + f"), got {extra.dtype} {tuple(extra.shape)}"
+            f"{name} must be an integer tensor {list(shape)} (B={B}" + (f", T={T}" if T is not None else "")
+            + f"), got {index.dtype} {tuple(index.shape)}"
         )
-    devices = {t.device for t in (q, k, v, extra)}
+    devices = {t.device for t in (*operands.values(), index)}
     if len(devices) > 1:
         raise ValueError(
-            f"{form}_attention: q, {kv[0]}, {kv[1]} and {name} must be on one device, got "
-            f"{q.device}, {k.device}, {v.device}, {extra.device}; move {name} with .to(q.device)"
+            f"{op}: {', '.join(operands)} and {name} must be on one device, got "
+            f"{', '.join(str(t.device) for t in operands.values())}, {index.device}; move {name} with .to(q.device)"
         )
+
+
+def scan_block(T: int, window: bool) -> int:
+    """Positions a window kernel scans a step for its tile's key range (a power of two
+    up to ``SCAN_BLOCK``); the prefix forms read none, so they take the smallest."""
+    return max(16, min(SCAN_BLOCK, triton.next_power_of_2(T))) if window else 16
 
 
 def _blocks(q: torch.Tensor, window: bool, block_m: int | None, block_n: int | None) -> tuple[int, int, int, int]:
@@ -260,7 +275,7 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
     # The unused one of kv_len / positions gets the other's pointer (never read).
     meta = positions if window else kv_len
     pos_strides = positions.stride() if window else (0, 0)
-    scan = max(16, min(SCAN_BLOCK, triton.next_power_of_2(T))) if window else 16
+    scan = scan_block(T, window)
     grid = (triton.cdiv(G * T, BLOCK_M), Hkv, B)
     wrap_triton(_flash_fwd_kernel)[grid](
         q, k, v, meta, meta, out, lse,

@@ -76,7 +76,7 @@ from dcp_compile.ops.attention import (
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    SCAN_BLOCK, cache_length, check_inputs, prefix_flash_triton,
+    cache_length, check_index, check_inputs, prefix_flash_triton, scan_block,
 )
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -480,13 +480,7 @@ def check_latent_inputs(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tenso
     if not (q.dtype == latent.dtype == rope.dtype):
         raise TypeError(f"the latent kernel takes q, latent and rope of one dtype; got {q.dtype}, {latent.dtype}, "
                         f"{rope.dtype}: cast them to one of {SUPPORTED_DTYPES}")
-    shape = (B, T) if window else (B,)
-    if tuple(extra.shape) != shape or extra.dtype.is_floating_point or extra.dtype.is_complex or extra.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor {list(shape)}, got {extra.dtype} {tuple(extra.shape)}")
-    devices = {t.device for t in (q, latent, rope, extra)}
-    if len(devices) > 1:
-        raise ValueError(f"q, latent, rope and {name} must be on one device, got {q.device}, {latent.device}, "
-                         f"{rope.device}, {extra.device}; move them with .to(q.device)")
+    check_index("the latent kernel", name, extra, B, T if window else None, {"q": q, "latent": latent, "rope": rope})
 
 
 def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict):
@@ -524,7 +518,7 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
         rope.stride(3), *(positions.stride() if causal else (0, 0)), *o_strides, *l_strides,
         ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
-        SCAN=max(16, min(SCAN_BLOCK, triton.next_power_of_2(S))) if causal else 16,
+        SCAN=scan_block(S, causal),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
