@@ -29,19 +29,27 @@ FAMILIES = {
 }
 
 
+def check_families(size, families):
+    """Each ``(family, wrapped)`` on ``size`` ranks against itself unsharded: tokens and
+    logits, this rank's cache shard, one collective per layer in the prefill and decode
+    graphs; the ragged prompts through DCPCausalLM where ``wrapped``."""
+    ranks = spawn_ranks(hf_parity_worker, size, families, "aot_eager", STEPS, timeout=600)
+    local = -(-MAX_SEQ_LEN // size) + 1
+    for family, wrapped in families:
+        assert_parity(ranks, family)
+        r = ranks[0][family]
+        kv_heads = 4 if family == "gptneox" else 2  # GPT-NeoX has no grouped KV heads
+        assert r["local_cache"] == (2, kv_heads, local, 16), f"{family}: DCPStaticCache holds S_loc + 1 slots"
+        assert r["collectives"] == [4, 4], f"{family}: prefill and decode graphs, all-gather + wait per layer"
+        if wrapped:
+            assert r["wrapper_cache"] == (len(RAGGED_LENGTHS), kv_heads, local, 16), f"{family}: prepare shards it"
+            assert r["wrapper_collectives"] == [4, 4], family
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_hf_parity(size):
     """Llama and Qwen2; Mistral without a sliding window takes the same path (test_hf_errors)."""
-    ranks = spawn_ranks(hf_parity_worker, size, FAMILIES[size], "aot_eager", STEPS, timeout=600)
-    local = -(-MAX_SEQ_LEN // size) + 1
-    for family, wrapped in FAMILIES[size]:
-        assert_parity(ranks, family)
-        r = ranks[0][family]
-        assert r["local_cache"] == (2, 2, local, 16), "DCPStaticCache holds S_loc + 1 slots"
-        assert r["collectives"] == [4, 4], "prefill and decode graphs: all-gather + wait per layer"
-        if wrapped:
-            assert r["wrapper_cache"] == (len(RAGGED_LENGTHS), 2, local, 16), "prepare shards the wrapper's cache"
-            assert r["wrapper_collectives"] == [4, 4]
+    check_families(size, FAMILIES[size])
 
 
 def test_more_hf_families():
@@ -51,17 +59,8 @@ def test_more_hf_families():
     of each head), Cohere (attention and MLP in parallel, scaled logits), GPT-NeoX (fused
     qkv, parallel residual, no grouped KV heads) and Mixtral (a sparse mixture of experts):
     transformers' own files, in the user's StaticCache loop, two also through DCPCausalLM."""
-    families = (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False),
-                ("stablelm", False), ("cohere", False), ("gptneox", False), ("mixtral", False))
-    ranks = spawn_ranks(hf_parity_worker, 2, families, "aot_eager", STEPS, timeout=600)
-    local = -(-MAX_SEQ_LEN // 2) + 1
-    for family, wrapped in families:
-        assert_parity(ranks, family)
-        r = ranks[0][family]
-        kv_heads = 4 if family == "gptneox" else 2
-        assert r["local_cache"] == (2, kv_heads, local, 16) and r["collectives"] == [4, 4], family
-        if wrapped:
-            assert r["wrapper_collectives"] == [4, 4], family
+    check_families(2, (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False),
+                       ("stablelm", False), ("cohere", False), ("gptneox", False), ("mixtral", False)))
 
 
 @pytest.mark.inductor
