@@ -75,15 +75,29 @@ def _layer_types(config) -> list[str]:
     return list(types)
 
 
+def cache_widths(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(heads, width)`` of the keys and of the values one layer caches.
+
+    Multi-head latent attention in transformers (DeepSeek-V2/V3, Kimi-K2 and kin:
+    configs with ``kv_lora_rank``) caches the normed latent where other models cache keys,
+    and the rope key where they cache values, one head each; every step expands them per
+    head with ``kv_b_proj`` (the passes shard that expansion with the cache)."""
+    if getattr(config, "kv_lora_rank", None):
+        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (heads, _head_dim(config)), (heads, _head_dim(config))
+
+
 class KVStore(nn.Module):
     """The cache tensors as buffers ``k_0, v_0, k_1, ...``, so that ``dcp.prepare`` can
     swap them for local ones like any model's buffers."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device):
+    def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], dtype: torch.dtype, device):
+        """``shapes``: per layer, the key and the value tensors' shapes."""
         super().__init__()
-        for i, shape in enumerate(shapes):
-            self.register_buffer(f"k_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        for i, (key_shape, value_shape) in enumerate(shapes):
+            self.register_buffer(f"k_{i}", torch.zeros(key_shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v_{i}", torch.zeros(value_shape, dtype=dtype, device=device), persistent=False)
 
 
 class DCPStaticLayer(CacheLayerMixin):
@@ -164,7 +178,6 @@ class DCPStaticCache(Cache):
         verify_tokens: int = 0,
     ):
         config = _text_config(config)
-        _refuse_latent_attention(config)
         types = _layer_types(config)
         unknown = sorted(set(types) - set(_SUPPORTED_LAYERS))
         if unknown:
@@ -172,9 +185,9 @@ class DCPStaticCache(Cache):
         sharded = group is not None and group.size > 1
         layout = KVLayout(group.size, group.rank, max_cache_len, interleave) if sharded else KVLayout(1, 0, max_cache_len)
         slots = layout.local_cache_len + verify_tokens if sharded else max_cache_len
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shape = (max_batch_size, heads, slots, _head_dim(config))
-        self.store = KVStore([shape] * config.num_hidden_layers, dtype, device)
+        widths = cache_widths(config)
+        shapes = tuple((max_batch_size, heads, slots, width) for heads, width in widths)
+        self.store = KVStore([shapes] * config.num_hidden_layers, dtype, device)
         layers = [
             DCPStaticLayer(self.store, i, sliding=t == "sliding_attention", max_batch_size=max_batch_size,
                            max_cache_len=max_cache_len)
@@ -188,7 +201,8 @@ class DCPStaticCache(Cache):
         self.layout = layout
         if group is not None:
             for name, tensor in self.store.named_buffers():
-                record = CacheRecord(f"cache.{name}", "target", 2, layout, (max_batch_size, heads, max_cache_len, shape[3]),
+                heads, width = widths[0] if name.startswith("k_") else widths[1]
+                record = CacheRecord(f"cache.{name}", "target", 2, layout, (max_batch_size, heads, max_cache_len, width),
                                      verify_tokens if sharded else 0)
                 register(tensor, record)
 
@@ -206,13 +220,15 @@ class DCPStaticCache(Cache):
                 f"DCPStaticCache holds {keys.shape[0]} rows. Split the batch, or build the cache with "
                 f"max_batch_size={key_states.shape[0]}"
             )
-        expected, found = (keys.shape[1], keys.shape[3]), (key_states.shape[1], key_states.shape[3])
-        if found != expected or value_states.shape[1::2] != key_states.shape[1::2]:
+        expected = (keys.shape[1], keys.shape[3], values.shape[1], values.shape[3])
+        found = (key_states.shape[1], key_states.shape[3], value_states.shape[1], value_states.shape[3])
+        if found != expected:
             raise ValueError(
-                f"layer {layer_idx} writes keys of {found[0]} heads x {found[1]} and values of "
-                f"{value_states.shape[1]} x {value_states.shape[3]}, but the DCPStaticCache was sized from the config "
-                f"for {expected[0]} x {expected[1]} (num_key_value_heads or num_attention_heads, head_dim or "
-                f"hidden_size // num_attention_heads): build it from the config the model was built with"
+                f"layer {layer_idx} writes keys of {found[0]} heads x {found[1]} and values of {found[2]} x {found[3]}, "
+                f"but the DCPStaticCache was sized from the config for keys of {expected[0]} x {expected[1]} and values "
+                f"of {expected[2]} x {expected[3]} (num_key_value_heads or num_attention_heads, head_dim or hidden_size "
+                f"// num_attention_heads; kv_lora_rank and qk_rope_head_dim for latent attention): build it from the "
+                f"config the model was built with"
             )
         if self.layout.size > 1:
             # Only a graph dcp.backend compiled may write a shard: every other route
@@ -436,7 +452,6 @@ class DCPCausalLM(nn.Module):
                 f"DCPCausalLM needs attn_implementation='sdpa', got {config._attn_implementation!r}: load the model with "
                 f"from_pretrained(..., attn_implementation='sdpa')"
             )
-        _refuse_latent_attention(config)
         _refuse_sliding(config)
         self.model = model
         self.config = config

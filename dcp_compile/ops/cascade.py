@@ -59,6 +59,14 @@ def cache_BHSD(cache: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
     return cache if seq_dim == 2 else cache.transpose(1, 2)
 
 
+def BHSD_as_cache(x_BHSD: torch.Tensor, *, seq_dim: int, ndim: int) -> torch.Tensor:
+    """``cache_BHSD``'s inverse: ``[B, H, T, D]`` laid out as a cache of ``ndim`` axes
+    with its sequence axis at ``seq_dim`` (the new tokens as the cache would hold them)."""
+    if ndim == 3:
+        return x_BHSD.squeeze(1)
+    return x_BHSD if seq_dim == 2 else x_BHSD.transpose(1, 2)
+
+
 def latent_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, perm: tuple[int, ...]) -> torch.Tensor:
     """MLA's two query parts as one ``[B, H, T, C + R]`` query (``perm`` brings the
     user's axis order to ``[B, H, T, .]``): ``q_lat . c + q_pe . k_pe`` is one dot product

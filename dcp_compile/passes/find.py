@@ -50,6 +50,7 @@ from dcp_compile.passes.fx_utils import (
     where,
 )
 from dcp_compile.passes.kv_index import WRITE_KINDS, WriteIndex, analyse_write, positions_node
+from dcp_compile.passes.slotwise import Axes, SlotwiseMap, analyse as analyse_slotwise
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,22 @@ class LatentParts:
 
 
 @dataclass(frozen=True)
+class ExpandedKV:
+    """Keys and values the site computes from its caches slot by slot (transformers'
+    multi-head latent attention expands a cached latent with ``kv_b_proj``); the prefix
+    reads them as the map gives them over this rank's slots, the window replays the map on
+    the new tokens (``slotwise``)."""
+
+    map: SlotwiseMap
+    keys: Node
+    """The site's key operand: ``[B, H, S, D]`` (SDPA) or ``[B, H, D, S]`` (``q @ k^T``)."""
+    values: Node
+    """``[B, H, S, Dv]``."""
+    writes: tuple[KVWrite, ...]
+    """The write of each cache the map reads, in ``map.caches`` order."""
+
+
+@dataclass(frozen=True)
 class AttentionSite:
     node: Node
     query: Node
@@ -95,6 +112,7 @@ class AttentionSite:
     mask: MaskProof
     """Whether the user's mask is the position-causal one the cascade computes."""
     latent: LatentParts | None = None
+    expanded: ExpandedKV | None = None
 
 
 @dataclass(frozen=True)
@@ -315,12 +333,19 @@ def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWri
         latent = _latent_sdpa_site(node, caches, writes, reads[1])
         if latent is not None:
             return latent
-    if any(r is None for r in reads):
-        return None  # not over two caches: either no cache at all, or caught as an unexplained read
-    if arg(node, 4, "dropout_p", 0.0):
-        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
     scale = arg(node, 6, "scale", None)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
+    found = None
+    if any(r is None for r in reads):
+        # Not two cache reads: keys and values computed from caches, or no cache at all.
+        found = _expanded_site(node, q, k, v, caches, writes, scale, arg(node, 3, "attn_mask"),
+                               arg(node, 5, "is_causal", False), keys_transposed=False)
+        if found is None:
+            return None
+    if arg(node, 4, "dropout_p", 0.0):
+        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
+    if found is not None:
+        return found
     site = _make_site(node, q, *reads, writes, scale, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False))
     return site, [*reads[0][1], *reads[1][1], node]
 
@@ -381,6 +406,33 @@ def _latent_sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node
     identity = (0, 1, 2, 3)
     site = AttentionSite(node, q, latent_write, latent_write, scale, proof, LatentParts(None, rope_write, identity, identity))
     return site, [*v_chain, *k_chain, keys, node]
+
+
+def _expanded_site(node: Node, query: Node, keys: Node, values: Node, caches: dict[Node, KVCache],
+                   writes: dict[Node, KVWrite], scale: float, mask, is_causal: bool, *, keys_transposed: bool):
+    """Attention whose keys and values a slot-wise map computes from caches, or None if
+    they read no cache."""
+    smap = analyse_slotwise(node, [keys, values], caches)
+    if smap is None:
+        return None
+    expected = {keys: Axes(0, 3 if keys_transposed else 2), values: Axes(0, 2)}
+    for operand, axes in expected.items():
+        if smap.axes.get(operand) != axes or len(shape_of(operand)) != 4:
+            raise GraphPatternError(
+                f"attention at {where(node)} reads {'keys' if operand is keys else 'values'} {operand.name} that "
+                f"{'are not computed from a KV cache' if operand not in smap.axes else 'hold the batch and cache slots on axes ' + str((smap.axes[operand].batch, smap.axes[operand].slot))}; "
+                f"expected [batch, heads, slots, width] computed from the caches"
+            )
+    site_writes = tuple(writes[c] for c in smap.caches)
+    first = site_writes[0]
+    if any(w.positions is not first.positions for w in site_writes):
+        raise GraphPatternError(
+            f"attention at {where(node)} reads caches written at different position tensors "
+            f"({', '.join(where(w.node) for w in site_writes)}); expected one positions tensor per layer"
+        )
+    proof = prove_causal(node, mask, is_causal, first.positions, first.index.position_tags)
+    expanded = ExpandedKV(smap, keys, values, site_writes)
+    return AttentionSite(node, query, first, first, scale, proof, expanded=expanded), [*smap.nodes, node]
 
 
 _MATMULS = frozenset({"matmul", "bmm", "__matmul__"})
@@ -459,13 +511,18 @@ def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
     if op_name(node) not in _MATMULS or len(node.args) != 2:
         return None
     v_read = _read_chain(node.args[1], caches)
-    if v_read is None:
-        return None
     peeled = _peel_probs(node.args[0])
     if peeled is None:
         return None  # not attention's value product; a cache read left unexplained is refused later
     probs, prob_steps = peeled
     scores, scale, mask, score_steps = _peel_scores(probs, caches)
+    if v_read is None:
+        # Values computed from caches (or none read): keys and values slot by slot.
+        if op_name(scores) not in _MATMULS or len(scores.args) != 2:
+            return None
+        found = _expanded_site(node, scores.args[0], scores.args[1], node.args[1], caches, writes, scale, mask,
+                               False, keys_transposed=True)
+        return None if found is None else (found[0], [*found[1], *prob_steps, *score_steps, scores])
     if op_name(scores) not in _MATMULS or len(scores.args) != 2:
         raise GraphPatternError(
             f"the softmax at {where(probs)} over values of KV cache {v_read[0].name} is taken of "

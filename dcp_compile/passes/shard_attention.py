@@ -37,11 +37,12 @@ import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    cache_BHSD, join_heads, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
+    BHSD_as_cache, cache_BHSD, join_heads, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
     prefix_lengths, split_heads, window_allowed, window_kv, window_positions,
 )
-from dcp_compile.passes.find import AttentionSite, Plan
-from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, where
+from dcp_compile.passes.find import AttentionSite, ExpandedKV, Plan
+from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, shape_of, where
+from dcp_compile.passes.slotwise import replay_on_window
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -56,6 +57,11 @@ rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of 
 heads (all-to-all), merges those, then all-gathers the merged heads (in the output
 dtype).  a2a moves fewer bytes and merges 1/N of the heads per rank, for a second
 collective per layer; which wins is measured (``benchmarks/bench_merge.py``)."""
+
+
+def _keys_transposed(expanded: ExpandedKV) -> bool:
+    """``q @ k.transpose(-2, -1)`` takes its keys as ``[B, H, D, S]``."""
+    return expanded.map.axes[expanded.keys].slot == 3
 
 
 def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str) -> None:
@@ -81,8 +87,24 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         def cache_view(w):
             return graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim))
 
-        latent = site.latent
-        if latent is None:
+        latent, expanded = site.latent, site.expanded
+        if expanded is not None:
+            # The prefix reads the keys and values the user's map computes over this
+            # rank's slots; the window replays that map on the new tokens.
+            query = site.query
+            new_tokens = {
+                w.cache.node: graph.call_function(
+                    BHSD_as_cache, (new_tokens(w),), dict(seq_dim=w.cache.seq_dim, ndim=len(shape_of(w.cache.node))))
+                for w in expanded.writes
+            }
+            replayed = replay_on_window(graph, expanded.map, new_tokens, k_write.index.tokens)
+
+            def keys_BHSD(keys):
+                return graph.call_function(torch.transpose, (keys, -2, -1)) if _keys_transposed(expanded) else keys
+
+            caches = [keys_BHSD(expanded.keys), expanded.values]
+            new_kv = [keys_BHSD(replayed[expanded.keys]), replayed[expanded.values]]
+        elif latent is None:
             query = site.query
             new_kv = [new_tokens(w) for w in (k_write, v_write)]
             caches = [cache_view(w) for w in (k_write, v_write)]
@@ -98,7 +120,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         if key_masks and latent is not None:
             raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
         if key_masks:
-            slots = fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
+            slots = expanded.map.slots if expanded else fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
             allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks), dict(sharding, slots=slots))
             prefix = graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
         elif latent is not None:

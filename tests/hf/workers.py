@@ -27,7 +27,8 @@ def hf_config(family: str, **overrides):
 
 HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3",
                "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma", "stablelm": "StableLm", "cohere": "Cohere",
-               "gptneox": "GPTNeoX", "mixtral": "Mixtral", "gemma2": "Gemma2"}
+               "gptneox": "GPTNeoX", "mixtral": "Mixtral", "gemma2": "Gemma2", "deepseek_v3": "DeepseekV3",
+               "deepseek_v2": "DeepseekV2"}
 """Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
 FAMILY_SHAPES = {
     "mistral": dict(sliding_window=None),
@@ -36,6 +37,14 @@ FAMILY_SHAPES = {
     "gemma": dict(head_dim=16),  # Gemma's default is 256
     "gptneox": dict(num_key_value_heads=None, rotary_pct=0.5),  # no grouped KV heads; rope on half of each head
     "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+    # multi-head latent attention: the cache holds a 32-wide latent and an 8-wide rope key;
+    # dense MLPs first, then a layer of 4 routed experts
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1),
+    "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1),
     # every layer global, so that only the logit softcapping stands in the way
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4096, layer_types=["full_attention"] * 2,
                    attn_implementation="eager"),
