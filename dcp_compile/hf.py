@@ -384,19 +384,6 @@ def _refusing_unsupported_modes(generate, model):
     return checked
 
 
-def _refuse_latent_attention(config) -> None:
-    """DeepSeek-V2/V3-style multi-head latent attention caches one compressed latent and a
-    rope key per token (or, in older transformers, per-head keys 192 wide and values 128
-    wide): neither is the ``[B, H_kv, S, D]`` key/value pair this cache shards."""
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(
-            f"{type(config).__name__} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}, "
-            f"qk_rope_head_dim={getattr(config, 'qk_rope_head_dim', None)}): its cache holds a compressed latent and a "
-            f"rope key per token, not per-head keys and values, and DCPStaticCache / DCPCausalLM do not shard MLA "
-            f"caches yet. The reference MLA target (dcp_compile.models.mla) is where DCP for MLA starts"
-        )
-
-
 def _refuse_sliding(config) -> None:
     types = _layer_types(config)
     if any(t != "full_attention" for t in types):
@@ -414,6 +401,12 @@ def llama_config(config, *, max_batch: int, max_seq_len: int, aux_layers: tuple[
     config = _text_config(config)
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"{type(config).__name__} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}); an EAGLE "
+            f"draft is a Llama decoder layer, whose heads and head width this config does not give. Build the draft's "
+            f"DraftConfig from a LlamaConfig of the trained draft's shapes (dim={config.hidden_size}, its n_heads)"
+        )
     if _head_dim(config) * config.num_attention_heads != config.hidden_size:
         raise ValueError(
             f"head_dim {_head_dim(config)} x {config.num_attention_heads} heads != hidden_size {config.hidden_size}: the "

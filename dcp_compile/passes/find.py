@@ -409,10 +409,12 @@ def _latent_sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node
 
 
 def _expanded_site(node: Node, query: Node, keys: Node, values: Node, caches: dict[Node, KVCache],
-                   writes: dict[Node, KVWrite], scale: float, mask, is_causal: bool, *, keys_transposed: bool):
+                   writes: dict[Node, KVWrite], scale: float, mask, is_causal: bool, *, keys_transposed: bool,
+                   scores: Node | None = None):
     """Attention whose keys and values a slot-wise map computes from caches, or None if
-    they read no cache."""
-    smap = analyse_slotwise(node, [keys, values], caches)
+    they read no cache.  ``scores``: the product of a hand-written attention that takes
+    the keys."""
+    smap = analyse_slotwise(node, [keys, values], caches, (scores,) if scores is not None else ())
     if smap is None:
         return None
     expected = {keys: Axes(0, 3 if keys_transposed else 2), values: Axes(0, 2)}
@@ -521,7 +523,7 @@ def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
         if op_name(scores) not in _MATMULS or len(scores.args) != 2:
             return None
         found = _expanded_site(node, scores.args[0], scores.args[1], node.args[1], caches, writes, scale, mask,
-                               False, keys_transposed=True)
+                               False, keys_transposed=True, scores=scores)
         return None if found is None else (found[0], [*found[1], *prob_steps, *score_steps, scores])
     if op_name(scores) not in _MATMULS or len(scores.args) != 2:
         raise GraphPatternError(

@@ -73,16 +73,16 @@ def _refuse(node: Node, why: str) -> GraphPatternError:
     )
 
 
-def _descendants(roots, stop: Node, skip) -> list[Node]:
+def _descendants(roots, stops: set[Node], skip) -> list[Node]:
     seen, stack = set(), list(roots)
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user is stop or user in seen or skip(user):
+            if user in stops or user in seen or skip(user):
                 continue
             seen.add(user)
             stack.append(user)
-    return sorted(seen, key=_order(stop.graph))
+    return sorted(seen, key=_order(next(iter(stops)).graph))
 
 
 def _order(graph: Graph):
@@ -244,10 +244,12 @@ def _fresh_axes(node: Node, axes: dict[Node, Axes]) -> Axes:
     return found.pop()
 
 
-def analyse(site: Node, operands: list[Node], caches: dict[Node, object]) -> SlotwiseMap | None:
+def analyse(site: Node, operands: list[Node], caches: dict[Node, object], consumers: tuple[Node, ...] = ()
+            ) -> SlotwiseMap | None:
     """The slot-wise map from the caches ``operands`` read to ``operands`` (the site's
-    keys and values); None when they read no cache.  Writes into the caches are not part
-    of the map."""
+    keys and values, which ``site`` and ``consumers`` take: the scores' product of a
+    hand-written attention); None when they read no cache.  Writes into the caches are
+    not part of the map."""
     read = [c for c in _sources(operands) if c in caches]
     if not read:
         return None
@@ -255,7 +257,7 @@ def analyse(site: Node, operands: list[Node], caches: dict[Node, object]) -> Slo
     def is_write(user: Node) -> bool:
         return op_name(user) in WRITE_KINDS and user.args and user.args[0] in caches
 
-    nodes = _descendants(read, site, is_write)
+    nodes = _descendants(read, {site, *consumers}, is_write)
     inside = set(nodes) | set(read)
     axes: dict[Node, Axes] = {}
     for cache in read:

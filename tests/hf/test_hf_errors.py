@@ -100,7 +100,7 @@ def test_a_cache_sized_for_other_heads_is_refused_naming_both_shapes():
     other = hf_config("llama", num_key_value_heads=1)
     group = dcp.init_group("cpu")
     model_c = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
-    expected = r"layer 0 writes keys of 2 heads x 16 .* sized from the config for 1 x 16"
+    expected = r"layer 0 writes keys of 2 heads x 16 .* sized from the config for keys of 1 x 16"
     for forward in (model, model_c):
         cache = DCPStaticCache(other, group, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
         with torch.no_grad(), pytest.raises(Exception, match=expected):
@@ -185,21 +185,12 @@ def test_gemma2_logit_softcapping_is_refused_naming_the_tanh():
         find(gm)
 
 
-def test_deepseek_latent_attention_is_refused_naming_why():
-    """transformers' DeepseekV3 caches a compressed latent and a rope key per token (5.24;
-    older versions per-head keys 192 wide and values 128 wide): not a cache these shard."""
-    import transformers
+def test_an_eagle_draft_for_a_latent_attention_model_asks_for_its_shapes():
+    """DeepSeek's config gives no Llama head width for a draft (its head_dim is the rope
+    key's): draft_config says so rather than size a draft from the rope width."""
+    from dcp_compile.hf import DCPCausalLM
 
-    from dcp_compile.hf import DCPCausalLM, DCPStaticCache
-
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, max_position_embeddings=64, attn_implementation="sdpa")
-    message = r"DeepseekV3Config uses multi-head latent attention \(kv_lora_rank=32, qk_rope_head_dim=8\)"
-    with pytest.raises(ValueError, match=message):
-        DCPStaticCache(config, None, max_batch_size=2, max_cache_len=64)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match=message):
-        DCPCausalLM(model, max_batch=2, max_seq_len=64)
+    wrapper = DCPCausalLM(make_hf_model("deepseek_v3"), max_batch=2, max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ValueError, match=r"DeepseekV3Config uses multi-head latent attention \(kv_lora_rank=32\); an "
+                                         r"EAGLE draft is a Llama decoder layer"):
+        wrapper.draft_config("eagle3")

@@ -10,7 +10,8 @@ from dcp_compile.runtime.launch import spawn_ranks
 pytest.importorskip("transformers")
 
 from tests.hf.workers import (  # noqa: E402
-    GENERATE_RUNS, MAX_SEQ_LEN, hf_generate_reference, hf_generate_worker, left_padded_prompts,
+    GENERATE_RUNS, MAX_SEQ_LEN, hf_family_generate_worker, hf_generate_reference, hf_generate_worker,
+    left_padded_prompts,
 )
 
 
@@ -93,3 +94,16 @@ def test_generate_refusals_name_the_fix(runs):
             assert r["errors"][route] is not None, f"rank {rank}: {route} was not refused"
             assert expected in r["errors"][route], f"rank {rank}, {route}: {r['errors'][route]}"
             assert r["untouched"][route], f"rank {rank}, {route}: the refusal wrote to the cache"
+
+
+def test_generate_of_a_latent_attention_model():
+    """DeepSeek-V3 (multi-head latent attention, a routed-expert layer) through generate()
+    on a left-padded batch at two ranks: the padding is read at the global position each
+    latent slot holds, and the tokens are transformers' own with its StaticCache."""
+    expected = hf_generate_reference(eos_token=-1, family="deepseek_v3")
+    ids, _ = left_padded_prompts()
+    for rank, r in enumerate(spawn_ranks(hf_family_generate_worker, 2, "deepseek_v3", -1, timeout=900)):
+        for name in ("greedy", "sampled"):
+            assert torch.equal(r["runs"][name], expected[name]), f"rank {rank}, {name}: tokens differ from transformers'"
+        assert r["local_cache"] == (len(ids), 1, MAX_SEQ_LEN // 2 + 1, 32), "the latent cache holds this rank's shard"
+        assert r["collectives"] == [4, 4], "a prefill and a decode graph: all-gather + wait per layer"

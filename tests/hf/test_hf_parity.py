@@ -8,7 +8,8 @@ from tests.support import FP32_TOLERANCE
 
 pytest.importorskip("transformers")
 
-from tests.hf.workers import MAX_SEQ_LEN, RAGGED_LENGTHS, hf_parity_worker  # noqa: E402
+from dcp_compile.hf import cache_widths  # noqa: E402
+from tests.hf.workers import MAX_SEQ_LEN, RAGGED_LENGTHS, hf_config, hf_parity_worker  # noqa: E402
 
 STEPS = 4
 
@@ -38,11 +39,11 @@ def check_families(size, families):
     for family, wrapped in families:
         assert_parity(ranks, family)
         r = ranks[0][family]
-        kv_heads = 4 if family == "gptneox" else 2  # GPT-NeoX has no grouped KV heads
-        assert r["local_cache"] == (2, kv_heads, local, 16), f"{family}: DCPStaticCache holds S_loc + 1 slots"
+        (kv_heads, width), _ = cache_widths(hf_config(family))
+        assert r["local_cache"] == (2, kv_heads, local, width), f"{family}: DCPStaticCache holds S_loc + 1 slots"
         assert r["collectives"] == [4, 4], f"{family}: prefill and decode graphs, all-gather + wait per layer"
         if wrapped:
-            assert r["wrapper_cache"] == (len(RAGGED_LENGTHS), kv_heads, local, 16), f"{family}: prepare shards it"
+            assert r["wrapper_cache"] == (len(RAGGED_LENGTHS), kv_heads, local, width), f"{family}: prepare shards it"
             assert r["wrapper_collectives"] == [4, 4], family
 
 
@@ -61,6 +62,14 @@ def test_more_hf_families():
     transformers' own files, in the user's StaticCache loop, two also through DCPCausalLM."""
     check_families(2, (("qwen3", True), ("phi3", False), ("granite", False), ("olmo2", True), ("gemma", False),
                        ("stablelm", False), ("cohere", False), ("gptneox", False), ("mixtral", False)))
+
+
+def test_hf_latent_attention():
+    """Multi-head latent attention as transformers writes it (DeepSeek-V3, and V2 without a
+    query LoRA; also hand-written with attn_implementation="eager"): the cache holds the
+    32-wide latent and the 8-wide rope key, sharded, and kv_b_proj expands this rank's
+    slots per head at every step."""
+    check_families(2, (("deepseek_v3", True), ("deepseek_v2", False), ("deepseek_v3_eager", False)))
 
 
 @pytest.mark.inductor

@@ -28,7 +28,7 @@ def hf_config(family: str, **overrides):
 HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3",
                "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma", "stablelm": "StableLm", "cohere": "Cohere",
                "gptneox": "GPTNeoX", "mixtral": "Mixtral", "gemma2": "Gemma2", "deepseek_v3": "DeepseekV3",
-               "deepseek_v2": "DeepseekV2"}
+               "deepseek_v2": "DeepseekV2", "deepseek_v3_eager": "DeepseekV3"}
 """Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
 FAMILY_SHAPES = {
     "mistral": dict(sliding_window=None),
@@ -45,6 +45,10 @@ FAMILY_SHAPES = {
     "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1),
+    "deepseek_v3_eager": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
+                              qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              attn_implementation="eager"),
     # every layer global, so that only the logit softcapping stands in the way
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4096, layer_types=["full_attention"] * 2,
                    attn_implementation="eager"),
@@ -329,13 +333,13 @@ def hf_generate_runs(generate, eos_token: int, max_new_tokens: int = 8):
     return out
 
 
-def hf_generate_reference(eos_token: int):
+def hf_generate_reference(eos_token: int, family: str = "llama"):
     """Transformers' own generate() with its StaticCache, one process, uncompiled."""
     from transformers import StaticCache
 
     from dcp_compile.hf import cache_kwarg
 
-    model = make_hf_model("llama")
+    model = make_hf_model(family)
     ids, mask = left_padded_prompts()
     kw = cache_kwarg(model)
 
@@ -347,16 +351,12 @@ def hf_generate_reference(eos_token: int):
     return hf_generate_runs(generate, eos_token)
 
 
-def hf_generate_worker(rank, size, eos_token):
-    """``model.generate()`` under DCP after ``compile_for_generate``: the runs of
-    ``hf_generate_runs``, the routes that must be refused, and the cache left untouched
-    by each refusal."""
-    from transformers import CompileConfig
-
+def generate_under_dcp(group, family: str, eos_token: int):
+    """``model.generate()`` of ``family`` after ``compile_for_generate`` on a left-padded
+    batch: the runs of ``hf_generate_runs``, and what they ran on."""
     from dcp_compile.hf import DCPStaticCache, cache_kwarg, compile_for_generate
 
-    group = dcp.init_group("cpu")
-    model = make_hf_model("llama")
+    model = make_hf_model(family)
     kw = cache_kwarg(model)  # before compile_for_generate wraps forward
     backend = compile_for_generate(model, group, lowering="aot_eager")
     ids, mask = left_padded_prompts()
@@ -369,6 +369,26 @@ def hf_generate_worker(rank, size, eos_token):
 
     with torch.no_grad():
         runs = hf_generate_runs(generate, eos_token)
+    return model, kw, backend, cache, generate, runs
+
+
+def hf_family_generate_worker(rank, size, family, eos_token):
+    group = dcp.init_group("cpu")
+    _, _, backend, cache, _, runs = generate_under_dcp(group, family, eos_token)
+    return dict(runs=runs, collectives=backend.collective_counts, local_cache=tuple(cache.store.k_0.shape))
+
+
+def hf_generate_worker(rank, size, eos_token):
+    """``model.generate()`` under DCP after ``compile_for_generate``: the runs of
+    ``hf_generate_runs``, the routes that must be refused, and the cache left untouched
+    by each refusal."""
+    from transformers import CompileConfig
+
+    from dcp_compile.hf import DCPStaticCache
+
+    group = dcp.init_group("cpu")
+    model, kw, backend, cache, generate, runs = generate_under_dcp(group, "llama", eos_token)
+    ids, mask = left_padded_prompts()
     errors, untouched = {}, {}
 
     def attempt(name, target, call):
