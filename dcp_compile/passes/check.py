@@ -4,8 +4,9 @@ Target (after shard_kv_writes + shard_attention):
 - exactly one merge per attention site found by ``find``, and one all-gather (``ag``)
   or one all-to-all plus one all-gather (``a2a``);
 - each write stores at local slots (owner-or-trash, or staging for verify graphs);
-- each cache buffer is used only by its write and by the cascade's prefix read, so no
-  node reads a full-length KV tensor.
+- each cache buffer is used only by its write and by the cascade's prefix read (or the
+  slot-wise map a site computes its keys and values with), so no node reads a
+  full-length KV tensor.
 
 Draft (no rewrite):
 - zero collectives in the graph;

@@ -10,7 +10,9 @@ what this pass found.
 - An *attention site* is an ``F.scaled_dot_product_attention`` call, or attention
   written by hand (``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v``), whose keys
   and values are caches, read directly or through a GQA replication (``enable_gqa``,
-  ``repeat_interleave`` or ``expand`` + ``reshape``) and layout-only views.
+  ``repeat_interleave`` or ``expand`` + ``reshape``) and layout-only views, or computed
+  from caches by a slot-wise map (``slotwise``: transformers' latent attention expands
+  its cached latent per head with ``kv_b_proj``; ``AttentionSite.expanded``).
 
 Each site also carries a ``MaskProof`` (``causal_mask``): whether its mask is the
 position-causal one that the cascade computes.  An unproven mask is not an error here
