@@ -66,10 +66,11 @@ def test_more_hf_families():
 
 def test_hf_latent_attention():
     """Multi-head latent attention as transformers writes it (DeepSeek-V3, and V2 without a
-    query LoRA; also hand-written with attn_implementation="eager"): the cache holds the
-    32-wide latent and the 8-wide rope key, sharded, and kv_b_proj expands this rank's
-    slots per head at every step."""
-    check_families(2, (("deepseek_v3", True), ("deepseek_v2", False), ("deepseek_v3_eager", False)))
+    query LoRA; also hand-written with attn_implementation="eager"; MiniCPM3; GLM-4 MoE
+    Lite with interleaved rope pairs): the cache holds the 32-wide latent and the 8-wide
+    rope key, sharded, and kv_b_proj expands this rank's slots per head at every step."""
+    check_families(2, (("deepseek_v3", True), ("deepseek_v2", False), ("deepseek_v3_eager", False),
+                       ("minicpm3", False), ("glm4_moe_lite", True)))
 
 
 @pytest.mark.inductor

@@ -12,8 +12,11 @@ from tests.hf.workers import hf_spec_worker  # noqa: E402
 K, NOISE = 3, 3.0
 
 
-def test_hf_eagle3_gate():
-    ranks = spawn_ranks(hf_spec_worker, 2, K, 16, NOISE, timeout=600)
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_hf_eagle3_gate(family):
+    """``deepseek_v3``: transformers' multi-head latent attention as the target, its
+    latent cache sharded, verify graphs parking the chain in staging slots."""
+    ranks = spawn_ranks(hf_spec_worker, 2, K, 16, NOISE, family, timeout=600)
     off, results = ranks[0]["off"], [r["dcp"] for r in ranks]
     for r in results:
         assert r["tokens"] == off["tokens"] and r["accepted"] == off["accepted"]

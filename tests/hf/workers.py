@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.models.llama import init_weights
+from dcp_compile.models.llama import LlamaConfig, init_weights
 from dcp_compile.runtime.generate import greedy_decode
 from tests.support import make_prompts
 
@@ -28,7 +28,8 @@ def hf_config(family: str, **overrides):
 HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3",
                "granite": "Granite", "olmo2": "Olmo2", "gemma": "Gemma", "stablelm": "StableLm", "cohere": "Cohere",
                "gptneox": "GPTNeoX", "mixtral": "Mixtral", "gemma2": "Gemma2", "deepseek_v3": "DeepseekV3",
-               "deepseek_v2": "DeepseekV2", "deepseek_v3_eager": "DeepseekV3"}
+               "deepseek_v2": "DeepseekV2", "deepseek_v3_eager": "DeepseekV3",
+               "minicpm3": "MiniCPM3", "glm4_moe_lite": "Glm4MoeLite"}
 """Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
 FAMILY_SHAPES = {
     "mistral": dict(sliding_window=None),
@@ -49,6 +50,13 @@ FAMILY_SHAPES = {
                               qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
                               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                               attn_implementation="eager"),
+    "minicpm3": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                     v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # its default interleaves the rope pairs (rope_interleave=True)
+    "glm4_moe_lite": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
+                          qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+                          num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"], pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2),
     # every layer global, so that only the logit softcapping stands in the way
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4096, layer_types=["full_attention"] * 2,
                    attn_implementation="eager"),
@@ -205,23 +213,35 @@ def gpt_fast_worker(rank, size, steps):
                 generate_py_errors=generate_py_errors, batch_error=batch_error)
 
 
-def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96):
-    """An HF Llama target (wrapped) and an EAGLE3 draft that agree most of the time: the
-    construction of ``tests.support.agreeing_pair``, on HF weights."""
+def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96, family: str = "llama"):
+    """An HF target (wrapped) and an EAGLE3 draft that agree most of the time: the
+    construction of ``tests.support.agreeing_pair``, on HF weights.  ``family``:
+    ``"llama"``, or ``"deepseek_v3"`` (multi-head latent attention, dense MLPs), whose
+    draft the user sizes (``draft_config`` asks for it)."""
     import transformers
 
     from dcp_compile.hf import DCPCausalLM
     from dcp_compile.models import EagleDraft, eagle3_aux_layers
+    from dcp_compile.models.eagle import DraftConfig
 
     n_layers, vocab = 4, 32
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_seq_len,
-                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    shapes = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_seq_len,
+                  tie_word_embeddings=False, attn_implementation="sdpa")
+    if family == "deepseek_v3":
+        shapes.update(FAMILY_SHAPES["deepseek_v3"], first_k_dense_replace=n_layers)
+    config = getattr(transformers, HF_FAMILIES[family] + "Config")(**shapes)
     torch.manual_seed(seed)
-    model = init_weights(transformers.LlamaForCausalLM(config), seed).eval()
+    model = init_weights(getattr(transformers, HF_FAMILIES[family] + "ForCausalLM")(config), seed).eval()
     aux = eagle3_aux_layers(n_layers)
     target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux)
-    draft = init_weights(EagleDraft(target.draft_config("eagle3", n_features=len(aux))), seed + 1).eval()
+    if family == "llama":
+        draft_config = target.draft_config("eagle3", n_features=len(aux))
+    else:
+        draft_config = DraftConfig(LlamaConfig(vocab_size=vocab, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                                               intermediate_size=96, max_seq_len=max_seq_len, max_batch=max_batch,
+                                               aux_layers=aux), "eagle3")
+    draft = init_weights(EagleDraft(draft_config), seed + 1).eval()
     with torch.no_grad():
         embedding = torch.randn(vocab, 64, generator=torch.Generator().manual_seed(seed + 2))
         model.model.embed_tokens.weight.copy_(embedding)
@@ -237,19 +257,19 @@ def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_le
     return target, draft
 
 
-def hf_spec_worker(rank, size, k, max_new_tokens, noise):
-    """EAGLE3 chain speculative decoding with an HF Llama target: the off arm (a group of
-    one, on every rank) and the DCP arm on all ``size`` ranks."""
+def hf_spec_worker(rank, size, k, max_new_tokens, noise, family="llama"):
+    """EAGLE3 chain speculative decoding with an HF target: the off arm (a group of one,
+    on every rank) and the DCP arm on all ``size`` ranks."""
     group = dcp.init_group("cpu")
-    off = _hf_spec(dcp.DCPGroup(1, 0, torch.device("cpu"), None), k, max_new_tokens, noise)
+    off = _hf_spec(dcp.DCPGroup(1, 0, torch.device("cpu"), None), k, max_new_tokens, noise, family)
     torch._dynamo.reset()
-    return dict(off=off, dcp=_hf_spec(group, k, max_new_tokens, noise))
+    return dict(off=off, dcp=_hf_spec(group, k, max_new_tokens, noise, family))
 
 
-def _hf_spec(group, k, max_new_tokens, noise):
+def _hf_spec(group, k, max_new_tokens, noise, family):
     from dcp_compile.passes.shard_attention import ALL_GATHER
 
-    target, draft = agreeing_hf_pair(noise)
+    target, draft = agreeing_hf_pair(noise, family=family)
     decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, lowering="aot_eager")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
