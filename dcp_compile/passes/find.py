@@ -31,6 +31,7 @@ This pass never modifies the graph.
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -327,7 +328,7 @@ def _make_site(node: Node, query: Node, k_read, v_read, writes: dict[Node, KVWri
     return AttentionSite(node, query, k_write, v_write, scale, proof)
 
 
-def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite]):
+def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite], earlier: AbstractSet[Node]):
     """An ``F.scaled_dot_product_attention`` over two caches, or None if it reads none."""
     q, k, v = node.args[:3]
     reads = [_read_chain(operand, caches) for operand in (k, v)]
@@ -341,7 +342,7 @@ def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWri
     if any(r is None for r in reads):
         # Not two cache reads: keys and values computed from caches, or no cache at all.
         found = _expanded_site(node, q, k, v, caches, writes, scale, arg(node, 3, "attn_mask"),
-                               arg(node, 5, "is_causal", False), keys_transposed=False)
+                               arg(node, 5, "is_causal", False), earlier, keys_transposed=False)
         if found is None:
             return None
     if arg(node, 4, "dropout_p", 0.0):
@@ -411,12 +412,12 @@ def _latent_sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node
 
 
 def _expanded_site(node: Node, query: Node, keys: Node, values: Node, caches: dict[Node, KVCache],
-                   writes: dict[Node, KVWrite], scale: float, mask, is_causal: bool, *, keys_transposed: bool,
-                   scores: Node | None = None):
+                   writes: dict[Node, KVWrite], scale: float, mask, is_causal: bool, earlier: AbstractSet[Node], *,
+                   keys_transposed: bool, scores: Node | None = None):
     """Attention whose keys and values a slot-wise map computes from caches, or None if
-    they read no cache.  ``scores``: the product of a hand-written attention that takes
-    the keys."""
-    smap = analyse_slotwise(node, [keys, values], caches, (scores,) if scores is not None else ())
+    they read no cache.  ``earlier``: the sites found before it; ``scores``: the product
+    of a hand-written attention that takes the keys."""
+    smap = analyse_slotwise(node, [keys, values], caches, (scores,) if scores is not None else (), earlier)
     if smap is None:
         return None
     expected = {keys: Axes(0, 3 if keys_transposed else 2), values: Axes(0, 2)}
@@ -505,7 +506,7 @@ def _peel_scores(probs: Node, caches: dict[Node, KVCache]):
             return scores, scale, mask, steps
 
 
-def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite]):
+def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite], earlier: AbstractSet[Node]):
     """Attention written by hand over two caches: ``softmax(q @ k.transpose(-2, -1) *
     scale + mask) @ v`` (nanoGPT, Hugging Face eager, reference code), with the scale a
     constant factor or divisor anywhere on the scores, the mask added (``where(allowed,
@@ -525,7 +526,7 @@ def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
         if op_name(scores) not in _MATMULS or len(scores.args) != 2:
             return None
         found = _expanded_site(node, scores.args[0], scores.args[1], node.args[1], caches, writes, scale, mask,
-                               False, keys_transposed=True, scores=scores)
+                               False, earlier, keys_transposed=True, scores=scores)
         return None if found is None else (found[0], [*found[1], *prob_steps, *score_steps, scores])
     if op_name(scores) not in _MATMULS or len(scores.args) != 2:
         raise GraphPatternError(
@@ -674,16 +675,18 @@ def _collect_sites(gm: GraphModule, writes: dict[Node, KVWrite]) -> tuple[list[A
     caches = {node: w.cache for node, w in writes.items()}
     sites: list[AttentionSite] = []
     explained: set[Node] = {w.node for w in writes.values()}
+    earlier: set[Node] = set()  # the sites found so far: a later site's search for its caches stops there
     for node in gm.graph.nodes:
         if is_sdpa(node):
-            found = _sdpa_site(node, caches, writes)
+            found = _sdpa_site(node, caches, writes, earlier)
         elif op_name(node) == "einsum":
             found = _einsum_site(node, caches, writes)
         else:
-            found = _matmul_site(node, caches, writes)
+            found = _matmul_site(node, caches, writes, earlier)
         if found is not None:
             site, nodes = found
             sites.append(site)
+            earlier.add(site.node)
             explained.update(nodes)
     return sites, explained
 

@@ -29,6 +29,7 @@ arguments replaced by the number of new tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -244,13 +245,14 @@ def _fresh_axes(node: Node, axes: dict[Node, Axes]) -> Axes:
     return found.pop()
 
 
-def analyse(site: Node, operands: list[Node], caches: dict[Node, object], consumers: tuple[Node, ...] = ()
-            ) -> SlotwiseMap | None:
+def analyse(site: Node, operands: list[Node], caches: dict[Node, object], consumers: tuple[Node, ...] = (),
+            earlier_sites: AbstractSet[Node] = frozenset()) -> SlotwiseMap | None:
     """The slot-wise map from the caches ``operands`` read to ``operands`` (the site's
     keys and values, which ``site`` and ``consumers`` take: the scores' product of a
-    hand-written attention); None when they read no cache.  Writes into the caches are
-    not part of the map."""
-    read = [c for c in _sources(operands) if c in caches]
+    hand-written attention); None when they read no cache.  ``earlier_sites``: attention
+    outputs already found, where the search for the caches stops (what comes out of an
+    attention is no cache's slots).  Writes into the caches are not part of the map."""
+    read = [c for c in _sources(operands, earlier_sites) if c in caches]
     if not read:
         return None
 
@@ -275,10 +277,10 @@ def analyse(site: Node, operands: list[Node], caches: dict[Node, object], consum
     return SlotwiseMap(tuple(read), tuple(nodes), axes, slots.pop())
 
 
-def _sources(operands: list[Node]) -> set[Node]:
+def _sources(operands: list[Node], earlier_sites: AbstractSet[Node]) -> set[Node]:
     """The graph inputs ``operands`` are computed from, including through in-place copies
-    into them (``key[..., :n].copy_(k_nope)``); the walk stops at attention ops, whose
-    outputs are no longer any cache's slots."""
+    into them (``key[..., :n].copy_(k_nope)``); the walk stops at attention ops and at
+    ``earlier_sites``, whose outputs are no longer any cache's slots."""
     stack, seen, inputs = list(operands), set(), set()
     while stack:
         node = stack.pop()
@@ -287,7 +289,7 @@ def _sources(operands: list[Node]) -> set[Node]:
         seen.add(node)
         if node.op == "placeholder":
             inputs.add(node)
-        elif op_name(node) not in ("scaled_dot_product_attention", "softmax"):
+        elif node not in earlier_sites and op_name(node) not in ("scaled_dot_product_attention", "softmax"):
             stack.extend(node.all_input_nodes)
             for view in node.users:
                 if op_name(view) == "getitem":

@@ -134,3 +134,31 @@ def test_a_map_that_mixes_slots_is_refused_with_its_line(flaw, marker, message):
     with pytest.raises(GraphPatternError, match=message) as error:
         find(gm)
     assert f"test_slotwise.py:{line_of(marker)}" in str(error.value)
+
+
+class CacheThenInGraphAttention(nn.Module):
+    """Hand-written attention over a cache (Hugging Face eager), then SDPA over tensors
+    projected from its output: the second attention reads no cache's slots and is left
+    alone, though its inputs descend from the first one's value cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(B, H, S, R))
+        self.register_buffer("v_cache", torch.zeros(B, H, S, R))
+        self.proj = nn.Linear(R, 2 * R, bias=False)
+
+    def forward(self, query, latent, rope, positions):
+        self.k_cache.index_copy_(2, positions, rope.expand(-1, H, -1, -1))
+        self.v_cache.index_copy_(2, positions, rope.expand(-1, H, -1, -1))
+        visible = torch.arange(S)[None, None, None, :] <= positions[None, None, :, None]
+        scores = (query[..., :R] @ self.k_cache.transpose(-2, -1)).masked_fill(~visible, float("-inf"))
+        out = scores.softmax(-1) @ self.v_cache
+        k, v = self.proj(out).split(R, dim=-1)
+        return F.scaled_dot_product_attention(out, k, v)
+
+
+def test_attention_over_what_an_earlier_site_computed_is_left_alone():
+    gm, _ = capture_graph(CacheThenInGraphAttention(), *inputs())
+    plan = find(gm)
+    (site,) = plan.sites
+    assert site.expanded is None and "matmul" in str(site.node.target)
