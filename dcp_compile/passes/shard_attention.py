@@ -94,12 +94,12 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             # The prefix reads the keys and values the user's map computes over this
             # rank's slots; the window replays that map on the new tokens.
             query = site.query
-            new_tokens = {
+            window_inputs = {
                 w.cache.node: graph.call_function(
                     BHSD_as_cache, (new_tokens(w),), dict(seq_dim=w.cache.seq_dim, ndim=len(shape_of(w.cache.node))))
                 for w in expanded.writes
             }
-            replayed = replay_on_window(graph, expanded.map, new_tokens, k_write.index.tokens)
+            replayed = replay_on_window(graph, expanded.map, window_inputs, k_write.index.tokens)
 
             def keys_BHSD(keys):
                 return graph.call_function(torch.transpose, (keys, -2, -1)) if _keys_transposed(expanded) else keys

@@ -41,7 +41,7 @@ from dcp_compile.passes.kv_index import WRITE_KINDS
 _SAME_SHAPE = frozenset({"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type",
                          "neg", "exp", "rsqrt", "sqrt", "silu", "gelu", "relu", "tanh", "sigmoid"})
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "truediv", "div", "__add__", "__sub__", "__mul__", "__truediv__"})
-_SPLITS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind"})
+_SPLITS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split"})
 _SIZED_VIEWS = frozenset({"view", "reshape", "expand"})
 _NEW_TENSORS = frozenset({"new_empty", "new_zeros", "new_ones"})
 
@@ -190,7 +190,7 @@ def _step(node: Node, axes: dict[Node, Axes], inside: set[Node]) -> Axes | None:
         return a
     if name in _SPLITS:
         dim = int(arg(node, 2, "dim", 0)) % ndim_in
-        if dim in (a.batch, a.slot) or name == "unbind":
+        if dim in (a.batch, a.slot):
             raise _refuse(node, "it splits the batch or slot axis")
         return a
     if name == "getitem" and _is_tensor(x):
