@@ -12,7 +12,9 @@ Contract, shared with the reference: ``q [B,Hq,T,D]``; keys and values ``[B,Hkv,
 (``S = T`` in the window form); query head ``h`` reads KV head ``h // (Hq // Hkv)``;
 out fp32 ``[B,Hq,T,D]``, lse fp32 ``[B,Hq,T]``; a row that sees no key gets
 ``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
-``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.
+``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.  The registered
+ops' CUDA forms take keys and values of any widths up to 256, the values' width apart
+from the keys' (``at_kernel_width`` zero-pads them to the kernel's width).
 
 - **Tile.**  The ``G = Hq // Hkv`` query heads of a KV group are packed into the
   tile's rows, token-major (row ``r`` is token ``r // G`` of head ``r % G`` of the
@@ -327,8 +329,38 @@ def window_flash_triton(
     return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
 
 
+def kernel_width(k_width: int, v_width: int) -> int | None:
+    """The head width the Triton kernels run keys ``k_width`` and values ``v_width``
+    wide at: the power of two in ``[16, 256]`` at or above both; None past 256."""
+    width = max(16, 1 << (max(k_width, v_width) - 1).bit_length())
+    return width if width <= 256 else None
+
+
+def at_kernel_width(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, scale: float):
+    """``kernel(q, k, v, index, scale)`` for keys and values of other widths (Phi-3's 96;
+    transformers' expanded MLA, keys 192 wide and values 128): q, k and v zero-padded
+    along the head axis to ``kernel_width``.  Zero columns add nothing to ``q . k`` (the
+    scale stays the caller's) and give zero output columns, which are cut off."""
+    width = kernel_width(k.shape[-1], v.shape[-1])
+    if width == k.shape[-1] == v.shape[-1]:
+        return kernel(q, k, v, index, scale)
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+    out, lse = kernel(pad(q), pad(k), pad(v), index, scale)
+    return out[..., : v.shape[-1]].contiguous(), lse
+
+
+def window_attention_any_width(q, k_new, v_new, positions, scale):
+    """``window_flash_triton`` for keys and values of any widths up to 256 (``at_kernel_width``)."""
+    return at_kernel_width(window_flash_triton, q, k_new, v_new, positions, scale)
+
+
 def _window_form(k_new, v_new):
-    return window_flash_triton if k_new.shape[-1] == v_new.shape[-1] else window_attention_reference
+    if kernel_width(k_new.shape[-1], v_new.shape[-1]) is None:
+        return window_attention_reference
+    return window_attention_any_width
 
 
 @window_attention.register_kernel("cuda")
@@ -343,4 +375,4 @@ def _window_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return window_flash_triton(*args, **kwargs)
+        return window_attention_any_width(*args, **kwargs)

@@ -76,7 +76,7 @@ from dcp_compile.ops.attention import (
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    cache_length, check_index, check_inputs, prefix_flash_triton, scan_block,
+    at_kernel_width, cache_length, check_index, check_inputs, kernel_width, prefix_flash_triton, scan_block,
 )
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -595,10 +595,18 @@ def _kernel_for(q: torch.Tensor):
     return prefix_attention_triton if q.shape[2] <= SPLIT_KV_MAX_TOKENS else prefix_flash_triton
 
 
+def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale):
+    """The prefix kernel (``_kernel_for``) for keys and values of any widths up to 256
+    (``at_kernel_width``)."""
+    return at_kernel_width(_kernel_for(q), q, k_cache, v_cache, kv_len, scale)
+
+
 def _cuda_form(q, k_cache, v_cache):
-    """The Triton kernels take keys and values of one width; MLA's latent form (keys
-    576 wide, values 512) runs the reference until its own kernel lands."""
-    return _kernel_for(q) if k_cache.shape[-1] == v_cache.shape[-1] else prefix_attention_reference
+    """Keys and values wider than 256 run the reference (MLA's latent form, keys 576
+    wide, has kernels of its own: ``dcp::latent_prefix_attention``)."""
+    if kernel_width(k_cache.shape[-1], v_cache.shape[-1]) is None:
+        return prefix_attention_reference
+    return prefix_attention_any_width
 
 
 @prefix_attention.register_kernel("cuda")
@@ -615,4 +623,4 @@ def _prefix_attention_functional(mode, op, types, args, kwargs):
         # traced graph cannot.
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return _kernel_for(q)(*args, **kwargs)
+        return prefix_attention_any_width(*args, **kwargs)

@@ -32,9 +32,9 @@ WORKER = """
 import sys, torch
 from tests.ops.triton_interpret import patch_interpreter
 patch_interpreter()
-from dcp_compile.ops import triton_flash
+import dcp_compile.ops
 cases = torch.load(sys.argv[1])
-torch.save({name: getattr(triton_flash, op)(**args) for name, (op, args) in cases.items()}, sys.argv[2])
+torch.save({name: getattr(dcp_compile.ops, op)(**args) for name, (op, args) in cases.items()}, sys.argv[2])
 """
 SCALE = 0.2
 FP32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -54,28 +54,34 @@ def _randn(gen, *shape, dtype, strided=False):
 
 
 def prefix_case(seed, *, t=37, hq=4, hkv=2, d=16, s=70, kv_len=(0, 70, 33), dtype=torch.float32, poison=True,
-                strided=False, blocks=SMALL):
-    """Op arguments (NaN in the unused slots unless ``poison=False``) and the allowed mask."""
+                strided=False, blocks=SMALL, dv=None):
+    """Op arguments (NaN in the unused slots unless ``poison=False``) and the allowed mask.
+    ``dv``: values of another width than the keys, through ``prefix_attention_any_width``."""
     gen = torch.Generator().manual_seed(seed)
     b = len(kv_len)
     q = _randn(gen, b, t, hq, d, dtype=dtype).transpose(1, 2) if strided else _randn(gen, b, hq, t, d, dtype=dtype)
     k = _randn(gen, b, hkv, s, d, dtype=dtype, strided=strided)
-    v = _randn(gen, b, hkv, s, d, dtype=dtype, strided=strided)
+    v = _randn(gen, b, hkv, s, dv or d, dtype=dtype, strided=strided)
     lengths = torch.tensor(kv_len)
     unused = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, :, None]
     if poison:
         k, v = k.masked_fill(unused, float("nan")), v.masked_fill(unused, float("nan"))
     allowed = (torch.arange(s)[None, :] < lengths[:, None])[:, None, :].expand(-1, t, -1)
+    if dv is not None:
+        return "prefix_attention_any_width", dict(q=q, k_cache=k, v_cache=v, kv_len=lengths, scale=SCALE), allowed
     return "prefix_flash_triton", dict(q=q, k_cache=k, v_cache=v, kv_len=lengths, scale=SCALE, **blocks), allowed
 
 
-def window_case(seed, positions, *, hq=4, hkv=2, d=16, dtype=torch.float32, strided=False, blocks=SMALL):
+def window_case(seed, positions, *, hq=4, hkv=2, d=16, dtype=torch.float32, strided=False, blocks=SMALL, dv=None):
+    """``dv``: values of another width than the keys, through ``window_attention_any_width``."""
     gen = torch.Generator().manual_seed(seed)
     b, t = positions.shape
     q = _randn(gen, b, t, hq, d, dtype=dtype).transpose(1, 2) if strided else _randn(gen, b, hq, t, d, dtype=dtype)
     k = _randn(gen, b, hkv, t, d, dtype=dtype, strided=strided)
-    v = _randn(gen, b, hkv, t, d, dtype=dtype, strided=strided)
+    v = _randn(gen, b, hkv, t, dv or d, dtype=dtype, strided=strided)
     allowed = positions[:, None, :] <= positions[:, :, None]
+    if dv is not None:
+        return "window_attention_any_width", dict(q=q, k_new=k, v_new=v, positions=positions, scale=SCALE), allowed
     return "window_flash_triton", dict(q=q, k_new=k, v_new=v, positions=positions, scale=SCALE, **blocks), allowed
 
 
@@ -111,6 +117,15 @@ def build_cases():
         "window-d64": window_case(20, ascending(20), d=64),
         "window-strided": window_case(21, ascending(20), strided=True),
         "window-default-blocks": window_case(22, torch.cat([ascending(70)[:2], torch.randperm(70)[None]]), blocks={}),
+        # Keys and values of other widths, zero-padded to a kernel width (transformers'
+        # expanded MLA: keys nope + rope wide, values narrower; Phi-3's 96).
+        "any-width-prefix-decode": prefix_case(31, t=1, d=24, dv=16),  # the split-KV kernel
+        "any-width-prefix-verify-bf16": prefix_case(32, t=4, d=24, dv=16, dtype=torch.bfloat16),
+        "any-width-prefix-chunk": prefix_case(33, t=37, d=24, dv=16),  # the flash kernel
+        "any-width-prefix-96": prefix_case(34, t=5, d=96, dv=96, kv_len=(70, 1, 0)),
+        "any-width-prefix-192-128": prefix_case(35, t=2, hq=2, hkv=2, d=192, dv=128, s=40, kv_len=(40, 0, 17)),
+        "any-width-window": window_case(36, ascending(t), d=24, dv=16),
+        "any-width-window-bf16": window_case(37, ascending(20), d=24, dv=16, dtype=torch.bfloat16),
     }
     return cases
 
@@ -150,7 +165,7 @@ def check_against_reference(out, lse, args, allowed):
     k, v = (x.nan_to_num(0.0) for x in _kv(args))  # poisoned slots are outside ``allowed``
     ref_out, ref_lse = attention_float64(q, k, v, allowed, SCALE)
     assert out.dtype == lse.dtype == torch.float32
-    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == q.shape[:3]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     empty = ~allowed.any(-1)[:, None, :].expand_as(lse)  # [B, Hq, T]
     assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
@@ -304,8 +319,32 @@ def _cuda(args):
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_float64_reference_on_gpu(name):
     op, args, allowed = CASES[name]
-    out, lse = (x.cpu() for x in getattr(torch.ops.dcp, op)(**_cuda(args)))
+    if op.endswith("any_width"):  # what the registered op's CUDA kernel runs for these widths
+        call = torch.ops.dcp.prefix_attention if op.startswith("prefix") else torch.ops.dcp.window_attention
+    else:
+        call = getattr(torch.ops.dcp, op)
+    out, lse = (x.cpu() for x in call(**_cuda(args)))
     check_against_reference(out, lse, args, allowed)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_inductor_runs_keys_and_values_of_other_widths_on_the_kernels():
+    """transformers' expanded MLA widths (keys 192, values 128): padded to 256 inside the
+    compiled graph, no opaque call of the reference (which reads kv_len on the host)."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, prefix, allowed = prefix_case(52, t=4, hq=8, d=192, dv=128, s=300, kv_len=(0, 300, 117), dtype=torch.bfloat16)
+
+    def step(q, k, v, kv_len):
+        out, lse = torch.ops.dcp.prefix_attention(q, k, v, kv_len, SCALE)
+        return out * 2, lse
+
+    (out, lse), code = run_and_get_code(torch.compile(step, backend="inductor", fullgraph=True),
+                                        *(prefix[n].cuda() for n in ("q", "k_cache", "v_cache", "kv_len")))
+    code = "\n".join(code)
+    assert "_prefix_split_kernel" in code and "dcp.prefix_attention" not in code
+    check_against_reference((out / 2).cpu(), lse.cpu(), prefix, allowed)
 
 
 @pytest.mark.gpu
