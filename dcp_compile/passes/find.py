@@ -53,7 +53,7 @@ from dcp_compile.passes.fx_utils import (
     where,
 )
 from dcp_compile.passes.kv_index import WRITE_KINDS, WriteIndex, analyse_write, positions_node
-from dcp_compile.passes.slotwise import Axes, SlotwiseMap, analyse as analyse_slotwise
+from dcp_compile.passes.slotwise import Axes, SlotwiseMap, analyse as analyse_slotwise, reads_cache
 
 
 @dataclass(frozen=True)
@@ -516,6 +516,8 @@ def _matmul_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
     if op_name(node) not in _MATMULS or len(node.args) != 2:
         return None
     v_read = _read_chain(node.args[1], caches)
+    if v_read is None and not reads_cache(node.args[1], caches, earlier):
+        return None  # a product of tensors that hold no cache's slots
     peeled = _peel_probs(node.args[0])
     if peeled is None:
         return None  # not attention's value product; a cache read left unexplained is refused later

@@ -277,6 +277,11 @@ def analyse(site: Node, operands: list[Node], caches: dict[Node, object], consum
     return SlotwiseMap(tuple(read), tuple(nodes), axes, slots.pop())
 
 
+def reads_cache(operand: Node, caches, earlier_sites: AbstractSet[Node]) -> bool:
+    """Whether ``operand`` is computed from a cache's slots (not through an attention)."""
+    return any(c in caches for c in _sources([operand], earlier_sites))
+
+
 def _sources(operands: list[Node], earlier_sites: AbstractSet[Node]) -> set[Node]:
     """The graph inputs ``operands`` are computed from, including through in-place copies
     into them (``key[..., :n].copy_(k_nope)``); the walk stops at attention ops and at

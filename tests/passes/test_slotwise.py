@@ -162,3 +162,19 @@ def test_attention_over_what_an_earlier_site_computed_is_left_alone():
     plan = find(gm)
     (site,) = plan.sites
     assert site.expanded is None and "matmul" in str(site.node.target)
+
+
+class InGraphSoftmaxProduct(CacheThenInGraphAttention):
+    """After a cache attention, a softmax over another axis times an in-graph tensor (a
+    router's weights, say): no attention over a cache, so none of its checks apply."""
+
+    def forward(self, query, latent, rope, positions):
+        out = super().forward(query, latent, rope, positions)
+        weights = torch.softmax(out, dim=1)  # over the heads, not the keys
+        return weights @ self.proj.weight[:R].T
+
+
+def test_a_softmax_product_of_in_graph_tensors_is_not_read_as_attention():
+    gm, _ = capture_graph(InGraphSoftmaxProduct(), *inputs())
+    (site,) = find(gm).sites
+    assert "matmul" in str(site.node.target)
