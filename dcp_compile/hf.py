@@ -2,10 +2,9 @@
 
 Needs the ``hf`` extra (``pip install 'dcp-compile[hf]'``); ``import dcp_compile`` does
 not import ``transformers``.  Tested with Llama, Qwen2/3, Mistral and Mixtral
-(``sliding_window=None``), Phi-3, Granite, OLMo2, Gemma, StableLM, Cohere, GPT-NeoX and
-DeepSeek-V2/V3, MiniCPM3 and GLM-4 MoE Lite (multi-head latent attention:
-``cache_widths``),
-``attn_implementation="sdpa"`` or ``"eager"``.
+(``sliding_window=None``), Phi-3, Granite, OLMo2, Gemma, StableLM, Cohere, GPT-NeoX, and
+with multi-head latent attention (``cache_widths``) DeepSeek-V2/V3, MiniCPM3 and GLM-4
+MoE Lite; ``attn_implementation="sdpa"`` or ``"eager"``.
 
 Two ways in, both compiled with the ordinary backend:
 
