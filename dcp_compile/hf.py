@@ -61,6 +61,20 @@ from dcp_compile.group import DCPGroup
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
+_WHY_NOT_SHARDED = {
+    "indexed_attention": "an indexer picks the cached slots each token attends to (DeepSeek-V3.2's sparse attention)",
+    "deepseek_sparse_attention": "an indexer picks the cached slots each token attends to",  # before transformers 5.24
+    "compressed_sparse_attention": "sparse attention over a compressed cache",
+    "heavily_compressed_attention": "attention over a compressed cache",
+    "minimax_m3_sparse": "an indexer picks the cached slots each token attends to",
+    "chunked_attention": "attention within chunks, not over the whole context",
+    "linear_attention": "a recurrent state, not a KV cache",
+    "hybrid": "attention combined with a recurrent state",
+    "hybrid_sliding": "sliding attention combined with a recurrent state",
+}
+"""Why a layer type that is not full or sliding attention cannot take a DCP cache."""
+
+
 def _text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
@@ -183,7 +197,11 @@ class DCPStaticCache(Cache):
         types = _layer_types(config)
         unknown = sorted(set(types) - set(_SUPPORTED_LAYERS))
         if unknown:
-            raise ValueError(f"DCPStaticCache holds attention layers only; this config has layer types {unknown}")
+            why = "; ".join(f"{t}: {_WHY_NOT_SHARDED.get(t, 'not a full causal attention over a KV cache')}" for t in unknown)
+            raise ValueError(
+                f"DCPStaticCache shards the caches of full causal attention layers; {type(config).__name__} has layer "
+                f"types {unknown} ({why}), which DCP does not shard"
+            )
         sharded = group is not None and group.size > 1
         layout = KVLayout(group.size, group.rank, max_cache_len, interleave) if sharded else KVLayout(1, 0, max_cache_len)
         slots = layout.local_cache_len + verify_tokens if sharded else max_cache_len

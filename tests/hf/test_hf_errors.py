@@ -194,3 +194,14 @@ def test_an_eagle_draft_for_a_latent_attention_model_asks_for_its_shapes():
     with pytest.raises(ValueError, match=r"DeepseekV3Config uses multi-head latent attention \(kv_lora_rank=32\); an "
                                          r"EAGLE draft is a Llama decoder layer"):
         wrapper.draft_config("eagle3")
+
+
+def test_deepseek_v32_sparse_attention_is_refused_naming_the_indexer():
+    """DeepSeek-V3.2's layers attend to the cached slots an indexer picks per token: not a
+    cache whose shards an exact merge can combine."""
+    import transformers
+
+    config = transformers.DeepseekV32Config(num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"DeepseekV32Config has layer types \['(indexed|deepseek_sparse)_attention'\] "
+                                         r"\(\w+: an indexer picks the cached slots each token attends to"):
+        DCPStaticCache(config, None, max_batch_size=2, max_cache_len=MAX_SEQ_LEN)
