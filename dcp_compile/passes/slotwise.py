@@ -20,8 +20,8 @@ slot ``j`` of its output from slot ``j`` of its inputs (same batch row), the map
 rank's shard is the shard of the map, and the map of the new tokens is what the cache
 would have given at their positions.  ``analyse`` proves that by following two axes,
 the batch and the slot, through every op between the caches and the attention; an op
-that mixes slots (a reduction or a view across the slot axis), or reads anything but
-weights and constants beside the cache data, is refused with its source line.
+that mixes slots (a reduction or a view across the slot axis), or combines the cache
+data with a tensor that varies along the slots, is refused with its source line.
 ``replay_on_window`` copies the map onto the new tokens, with the slot count in shape
 arguments replaced by the number of new tokens.
 """
