@@ -39,6 +39,7 @@ normed hidden state), taken by forward hooks, so the graph has no break.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ from dcp_compile.group import DCPGroup
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
-_WHY_NOT_SHARDED = {
+_WHY_NOT_SHARDED = MappingProxyType({
     "indexed_attention": "an indexer picks the cached slots each token attends to (DeepSeek-V3.2's sparse attention)",
     "deepseek_sparse_attention": "an indexer picks the cached slots each token attends to",  # before transformers 5.24
     "compressed_sparse_attention": "sparse attention over a compressed cache",
@@ -71,7 +72,7 @@ _WHY_NOT_SHARDED = {
     "linear_attention": "a recurrent state, not a KV cache",
     "hybrid": "attention combined with a recurrent state",
     "hybrid_sliding": "sliding attention combined with a recurrent state",
-}
+})
 """Why a layer type that is not full or sliding attention cannot take a DCP cache."""
 
 
