@@ -40,6 +40,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.passes.causal_mask import MaskProof, prove_causal
 from dcp_compile.passes.fx_utils import (
     INDEX_VIEWS,
+    LAYOUT_ONLY,
     GraphPatternError,
     arange_bounds,
     expand_ellipsis,
@@ -133,11 +134,6 @@ class Plan:
     the positions; ``T - 1`` for ``arange(T) + length``, Hugging Face's form)."""
 
 
-_LAYOUT_ONLY = frozenset(
-    {"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type"}
-)
-
-
 def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -217,7 +213,7 @@ def _read_step(node: Node, tags: list[str], fail: GraphPatternError) -> tuple[li
     name = op_name(node)
     shape_in, shape_out = shape_of(node.args[0]), shape_of(node)
     tags = list(tags)
-    if name in _LAYOUT_ONLY:
+    if name in LAYOUT_ONLY:
         if shape_in != shape_out:
             raise fail
         return tags, 1
@@ -328,6 +324,17 @@ def _make_site(node: Node, query: Node, k_read, v_read, writes: dict[Node, KVWri
     return AttentionSite(node, query, k_write, v_write, scale, proof)
 
 
+def _sdpa_scale(node: Node) -> float:
+    """An SDPA call's softmax scale: its ``scale``, else ``1 / sqrt(query width)``."""
+    scale = arg(node, 6, "scale", None)
+    return float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(node.args[0])[-1])
+
+
+def _refuse_sdpa_dropout(node: Node) -> None:
+    if arg(node, 4, "dropout_p", 0.0):
+        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
+
+
 def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWrite], earlier: AbstractSet[Node]):
     """An ``F.scaled_dot_product_attention`` over two caches, or None if it reads none."""
     q, k, v = node.args[:3]
@@ -336,19 +343,15 @@ def _sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVWri
         latent = _latent_sdpa_site(node, caches, writes, reads[1])
         if latent is not None:
             return latent
-    scale = arg(node, 6, "scale", None)
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
-    found = None
+    scale = _sdpa_scale(node)
     if any(r is None for r in reads):
         # Not two cache reads: keys and values computed from caches, or no cache at all.
         found = _expanded_site(node, q, k, v, caches, writes, scale, arg(node, 3, "attn_mask"),
                                arg(node, 5, "is_causal", False), earlier, keys_transposed=False)
-        if found is None:
-            return None
-    if arg(node, 4, "dropout_p", 0.0):
-        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
-    if found is not None:
+        if found is not None:
+            _refuse_sdpa_dropout(node)
         return found
+    _refuse_sdpa_dropout(node)
     site = _make_site(node, q, *reads, writes, scale, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False))
     return site, [*reads[0][1], *reads[1][1], node]
 
@@ -366,7 +369,7 @@ def _one_head(node, chain: list[Node]) -> bool:
             index = step.args[1] if isinstance(step.args[1], tuple) else (step.args[1],)
             if list(index) in ([slice(None), None], [slice(None), None, Ellipsis], [slice(None), None, slice(None), slice(None)]):
                 continue
-        if name in _LAYOUT_ONLY and shape_of(step) == shape_of(step.args[0]):
+        if name in LAYOUT_ONLY and shape_of(step) == shape_of(step.args[0]):
             continue
         return False
     return True
@@ -399,11 +402,8 @@ def _latent_sdpa_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node
             f"the latent and rope-key caches read at {where(node)} are written at different position tensors "
             f"({where(latent_write.node)} and {where(rope_write.node)}); expected one positions tensor per layer"
         )
-    if arg(node, 4, "dropout_p", 0.0):
-        raise GraphPatternError(f"attention at {where(node)} uses dropout; dcp-compile compiles inference graphs")
-    q = node.args[0]
-    scale = arg(node, 6, "scale", None)
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1])
+    _refuse_sdpa_dropout(node)
+    q, scale = node.args[0], _sdpa_scale(node)
     proof = prove_causal(node, arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False), latent_write.positions,
                          latent_write.index.position_tags)
     identity = (0, 1, 2, 3)
@@ -422,11 +422,13 @@ def _expanded_site(node: Node, query: Node, keys: Node, values: Node, caches: di
         return None
     expected = {keys: Axes(0, 3 if keys_transposed else 2), values: Axes(0, 2)}
     for operand, axes in expected.items():
-        if smap.axes.get(operand) != axes or len(shape_of(operand)) != 4:
+        found = smap.axes.get(operand)
+        if found != axes or len(shape_of(operand)) != 4:
+            held = ("are not computed from a KV cache" if found is None
+                    else f"hold the batch and cache slots on axes {(found.batch, found.slot)}")
             raise GraphPatternError(
                 f"attention at {where(node)} reads {'keys' if operand is keys else 'values'} {operand.name} that "
-                f"{'are not computed from a KV cache' if operand not in smap.axes else 'hold the batch and cache slots on axes ' + str((smap.axes[operand].batch, smap.axes[operand].slot))}; "
-                f"expected [batch, heads, slots, width] computed from the caches"
+                f"{held}; expected [batch, heads, slots, width] computed from the caches"
             )
     site_writes = tuple(writes[c] for c in smap.caches)
     first = site_writes[0]
@@ -484,7 +486,7 @@ def _peel_scores(probs: Node, caches: dict[Node, KVCache]):
             steps.append(scores)
             scale, scores = scale * scores.args[0], scores.args[1]
         elif name == "add" and mask is None:
-            reading = [a for a in scores.args[:2] if isinstance(a, Node) and _reaches_cache(a, caches)]
+            reading = [a for a in scores.args[:2] if isinstance(a, Node) and reads_cache(a, caches, frozenset())]
             if len(reading) != 1:
                 break  # both terms read caches: MLA's latent + rope scores
             steps.append(scores)
@@ -655,20 +657,6 @@ def _einsum_site(node: Node, caches: dict[Node, KVCache], writes: dict[Node, KVW
     site = AttentionSite(node, q_latent, latent_write, latent_write, scale, proof, parts_)
     term_nodes = terms + ([scores] if len(terms) == 2 else [])
     return site, [node, *prob_steps, *score_steps, *term_nodes]
-
-
-def _reaches_cache(node: Node, caches: dict[Node, KVCache]) -> bool:
-    """Whether ``node`` is computed from a cache's data."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in caches:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _collect_sites(gm: GraphModule, writes: dict[Node, KVWrite]) -> tuple[list[AttentionSite], set[Node]]:

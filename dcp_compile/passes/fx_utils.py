@@ -18,6 +18,8 @@ INTEGER_CASTS = frozenset({"to", "long", "int", "contiguous"})
 """Ops an index tensor passes through unchanged (for integer values)."""
 INDEX_VIEWS = SHAPE_VIEWS | INTEGER_CASTS | {"getitem"}
 """What may stand between an index tensor (positions, ``arange``) and its source."""
+LAYOUT_ONLY = frozenset({"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type"})
+"""Ops that keep a tensor's values and axes (copies and casts)."""
 
 
 class GraphPatternError(ValueError):

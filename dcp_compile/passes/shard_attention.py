@@ -14,8 +14,8 @@ Invariant established: each attention site is replaced by
 ``start_b`` and the window's positions come from the positions the same layer's KV
 write stores.  Where a slot-wise map computes the keys and values from the caches
 (``AttentionSite.expanded``), the prefix reads what the user's map computes over the
-local slots and the window replays the map on the new tokens (``slotwise``).  The user's own mask over the full cache is not used (it described the
-unsharded cache), but ``find`` must have proven it to be exactly that position-causal
+local slots and the window replays the map on the new tokens (``slotwise``).  The
+user's own mask over the full cache is not used (it described the unsharded cache), but ``find`` must have proven it to be exactly that position-causal
 mask (``causal_mask.prove_causal``), possibly and-ed with key-padding masks over global
 positions; a site whose mask is unproven (a sliding window, no mask, anything the
 prover does not model) raises ``GraphPatternError`` with the reason and the user's

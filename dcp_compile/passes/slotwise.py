@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from dcp_compile.passes.fx_utils import GraphPatternError, arg, expand_ellipsis, fake_value, op_name, shape_of, where
+from dcp_compile.passes.fx_utils import (
+    LAYOUT_ONLY, GraphPatternError, arg, expand_ellipsis, fake_value, op_name, shape_of, where,
+)
 from dcp_compile.passes.kv_index import WRITE_KINDS
 
-_SAME_SHAPE = frozenset({"contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "type",
-                         "neg", "exp", "rsqrt", "sqrt", "silu", "gelu", "relu", "tanh", "sigmoid"})
+_SAME_SHAPE = LAYOUT_ONLY | {"neg", "exp", "rsqrt", "sqrt", "silu", "gelu", "relu", "tanh", "sigmoid"}
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "truediv", "div", "__add__", "__sub__", "__mul__", "__truediv__"})
 _SPLITS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split"})
 _SIZED_VIEWS = frozenset({"view", "reshape", "expand"})
@@ -91,9 +92,9 @@ def _order(graph: Graph):
     return index.__getitem__
 
 
-def _sizes(node: Node, first: int = 1) -> list:
+def _sizes(node: Node) -> list:
     """The size list of ``view(*sizes)``, ``view(sizes)``, ``new_empty(sizes)`` and the like."""
-    rest = node.args[first:]
+    rest = node.args[1:]
     if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
         return list(rest[0])
     if not rest:

@@ -188,8 +188,6 @@ def test_gemma2_logit_softcapping_is_refused_naming_the_tanh():
 def test_an_eagle_draft_for_a_latent_attention_model_asks_for_its_shapes():
     """DeepSeek's config gives no Llama head width for a draft (its head_dim is the rope
     key's): draft_config says so rather than size a draft from the rope width."""
-    from dcp_compile.hf import DCPCausalLM
-
     wrapper = DCPCausalLM(make_hf_model("deepseek_v3"), max_batch=2, max_seq_len=MAX_SEQ_LEN)
     with pytest.raises(ValueError, match=r"DeepseekV3Config uses multi-head latent attention \(kv_lora_rank=32\); an "
                                          r"EAGLE draft is a Llama decoder layer"):

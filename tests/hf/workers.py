@@ -31,6 +31,10 @@ HF_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3"
                "deepseek_v2": "DeepseekV2", "deepseek_v3_eager": "DeepseekV3",
                "minicpm3": "MiniCPM3", "glm4_moe_lite": "Glm4MoeLite"}
 """Test family -> transformers' class prefix (``Qwen3Config``, ``Qwen3ForCausalLM``)."""
+_LATENT_ATTENTION = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16)
+_DEEPSEEK = dict(_LATENT_ATTENTION, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
+                 num_experts_per_tok=2, n_group=1, topk_group=1)
 FAMILY_SHAPES = {
     "mistral": dict(sliding_window=None),
     "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=1),  # its defaults lie past a 128-token vocabulary
@@ -40,23 +44,13 @@ FAMILY_SHAPES = {
     "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
     # multi-head latent attention: the cache holds a 32-wide latent and an 8-wide rope key;
     # dense MLPs first, then a layer of 4 routed experts
-    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                        v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
-                        num_experts_per_tok=2, n_group=1, topk_group=1),
-    "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1),
-    "deepseek_v3_eager": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
-                              qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
-                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                              attn_implementation="eager"),
-    "minicpm3": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                     v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "deepseek_v3": _DEEPSEEK,
+    "deepseek_v2": {**_DEEPSEEK, "q_lora_rank": None},
+    "deepseek_v3_eager": {**_DEEPSEEK, "attn_implementation": "eager"},
+    "minicpm3": dict(_LATENT_ATTENTION, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # its default interleaves the rope pairs (rope_interleave=True)
-    "glm4_moe_lite": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
-                          num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"], pad_token_id=0, bos_token_id=1,
-                          eos_token_id=2),
+    "glm4_moe_lite": dict(_LATENT_ATTENTION, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                          mlp_layer_types=["dense", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # every layer global, so that only the logit softcapping stands in the way
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4096, layer_types=["full_attention"] * 2,
                    attn_implementation="eager"),
