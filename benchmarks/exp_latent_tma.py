@@ -27,58 +27,21 @@ import triton
 import triton.language as tl
 
 from dcp_compile.ops.triton_flash import cache_length
-from dcp_compile.ops.triton_prefix import _split_range
+from dcp_compile.ops.triton_prefix import _softmax_step, _split_range, _store_partial
+from exp_latent_variants import check_variants, latent_inputs
 
 C, R = 512, 64
 SCALE = 0.07
 
 
 @triton.jit
-def _pointer_kernel(
+def _latent_kernel(
     Q, KV, PE, KV_LEN, O, LSE, qk_scale, S, H, num_splits,
     s_qb, s_qh, s_cb, s_cs, s_pb, s_ps, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
-    ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, LOADS: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    head = (tl.program_id(1) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    row_ok = head < H
-    offs_c = tl.arange(0, C)
-    offs_r = tl.arange(0, R)
-    q_rows = Q + b * s_qb + head[:, None] * s_qh
-    q_lat = tl.load(q_rows + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-    q_pe = tl.load(q_rows + C + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-    lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, C], tl.float32)
-    for start in range(lo, hi, BLOCK_S):
-        offs_s = start + tl.arange(0, BLOCK_S)
-        live = offs_s < hi
-        kv = tl.load(KV + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=live[:, None], other=0.0)
-        pe = tl.load(PE + b * s_pb + offs_s[:, None] * s_ps + offs_r[None, :], mask=live[:, None], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
-        scores = tl.where(live[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-    seen = l > 0.0
-    l_safe = tl.where(seen, l, 1.0)
-    o_rows = O + b * s_ob + head * s_oh + split * s_os
-    tl.store(o_rows[:, None] + offs_c[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
-    tl.store(LSE + b * s_lb + head * s_lh + split * s_ls,
-             tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")), mask=row_ok)
-
-
-@triton.jit
-def _descriptor_kernel(
-    Q, KV, PE, KV_LEN, O, LSE, qk_scale, S, H, num_splits,
-    s_qb, s_qh, s_cb, s_cs, s_pb, s_ps, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
-    ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, WHOLE: tl.constexpr,
-):
+    """``LOADS``: 0 pointer loads (the library's form), 1 descriptors with the latent in
+    two 256-wide boxes and two accumulators, 2 descriptors with one 512-wide box."""
     split = tl.program_id(0)
     head = (tl.program_id(1) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -90,31 +53,13 @@ def _descriptor_kernel(
     q_rows = Q + b * s_qb + head[:, None] * s_qh
     q_pe = tl.load(q_rows + C + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
-    pe_desc = tl.make_tensor_descriptor(PE + b * s_pb, shape=[hi, R], strides=[s_ps, 1], block_shape=[BLOCK_S, R])
+    o_rows = b * s_ob + head * s_oh + split * s_os
+    lse_rows = b * s_lb + head * s_lh + split * s_ls
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
-    if WHOLE:
-        q_lat = tl.load(q_rows + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-        kv_desc = tl.make_tensor_descriptor(KV + b * s_cb, shape=[hi, C], strides=[s_cs, 1],
-                                            block_shape=[BLOCK_S, C])
-        acc = tl.zeros([ROWS, C], tl.float32)
-        for start in range(lo, hi, BLOCK_S):
-            kv = kv_desc.load([start, 0])
-            pe = pe_desc.load([start, 0])
-            scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
-            live = (start + tl.arange(0, BLOCK_S)) < hi
-            scores = tl.where(live[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            m = m_new
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        seen = l > 0.0
-        l_safe = tl.where(seen, l, 1.0)
-        o_rows = O + b * s_ob + head * s_oh + split * s_os
-        tl.store(o_rows[:, None] + offs_c[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
-    else:
+    if LOADS != 0:
+        pe_desc = tl.make_tensor_descriptor(PE + b * s_pb, shape=[hi, R], strides=[s_ps, 1], block_shape=[BLOCK_S, R])
+    if LOADS == 1:
         q0 = tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None], other=0.0)
         q1 = tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
         lo_desc = tl.make_tensor_descriptor(KV + b * s_cb, shape=[hi, HALF], strides=[s_cs, 1],
@@ -126,54 +71,52 @@ def _descriptor_kernel(
         for start in range(lo, hi, BLOCK_S):
             kv0 = lo_desc.load([start, 0])
             kv1 = hi_desc.load([start, 0])
-            pe = pe_desc.load([start, 0])
-            scores = tl.dot(q0, tl.trans(kv0)) + tl.dot(q1, tl.trans(kv1)) + tl.dot(q_pe, tl.trans(pe))
-            live = (start + tl.arange(0, BLOCK_S)) < hi
-            scores = tl.where(live[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            m = m_new
+            scores = tl.dot(q0, tl.trans(kv0)) + tl.dot(q1, tl.trans(kv1))
+            scores += tl.dot(q_pe, tl.trans(pe_desc.load([start, 0])))
+            p, alpha, m, l = _softmax_step(scores * qk_scale, (start + tl.arange(0, BLOCK_S)) < hi, m, l)
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(kv0.dtype), kv0)
             acc1 = acc1 * alpha[:, None] + tl.dot(p.to(kv1.dtype), kv1)
-        seen = l > 0.0
-        l_safe = tl.where(seen, l, 1.0)
-        o_rows = O + b * s_ob + head * s_oh + split * s_os
-        tl.store(o_rows[:, None] + offs_h[None, :], acc0 / l_safe[:, None], mask=row_ok[:, None])
-        tl.store(o_rows[:, None] + HALF + offs_h[None, :], acc1 / l_safe[:, None], mask=row_ok[:, None])
-    tl.store(LSE + b * s_lb + head * s_lh + split * s_ls,
-             tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")), mask=row_ok)
+        _store_partial(acc0, m, l, O, LSE, o_rows, lse_rows, offs_h, row_ok)
+        _store_partial(acc1, m, l, O + HALF, LSE, o_rows, lse_rows, offs_h, row_ok)
+    else:
+        q_lat = tl.load(q_rows + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        if LOADS == 2:
+            kv_desc = tl.make_tensor_descriptor(KV + b * s_cb, shape=[hi, C], strides=[s_cs, 1],
+                                                block_shape=[BLOCK_S, C])
+        acc = tl.zeros([ROWS, C], tl.float32)
+        for start in range(lo, hi, BLOCK_S):
+            offs_s = start + tl.arange(0, BLOCK_S)
+            live = offs_s < hi
+            if LOADS == 0:
+                kv = tl.load(KV + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=live[:, None], other=0.0)
+                pe = tl.load(PE + b * s_pb + offs_s[:, None] * s_ps + offs_r[None, :], mask=live[:, None], other=0.0)
+            else:
+                kv = kv_desc.load([start, 0])
+                pe = pe_desc.load([start, 0])
+            scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
+            p, alpha, m, l = _softmax_step(scores * qk_scale, live, m, l)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_c, row_ok)
 
 
-VARIANTS = {
-    "pointer": (_pointer_kernel, {}),
-    "descriptor-halves": (_descriptor_kernel, dict(WHOLE=False)),
-    "descriptor-whole": (_descriptor_kernel, dict(WHOLE=True)),
-}
+VARIANTS = {"pointer": 0, "descriptor-halves": 1, "descriptor-whole": 2}
 TILES = [dict(block_s=64, num_warps=8, num_stages=2), dict(block_s=32, num_warps=8, num_stages=3),
          dict(block_s=32, num_warps=8, num_stages=4), dict(block_s=64, num_warps=8, num_stages=3)]
 
 
 def launch(variant, q, kv, pe, kv_len, num_splits, tiles):
     """q [B, H, C + R] (T=1: the rows are the heads); returns (partials, their lse, compiled kernel)."""
-    kernel, flags = VARIANTS[variant]
     B, H, _ = q.shape
     o = torch.empty(B, H, num_splits, C, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
-    compiled = kernel[(num_splits, triton.cdiv(H, 64), B)](
+    compiled = _latent_kernel[(num_splits, triton.cdiv(H, 64), B)](
         q, kv, pe, kv_len, o, lse, SCALE * 1.4426950408889634, kv.shape[1], H, num_splits,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), pe.stride(0), pe.stride(1),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         ROWS=64, C=C, R=R, BLOCK_S=tiles["block_s"], num_warps=tiles["num_warps"],
-        num_stages=tiles["num_stages"], **flags,
+        num_stages=tiles["num_stages"], LOADS=VARIANTS[variant],
     )
     return o, lse, compiled
-
-
-def merged(o, lse):
-    weights = torch.softmax(torch.nan_to_num(lse, neginf=-1e30), dim=-1)
-    return (o * weights[..., None]).sum(2)
 
 
 def reference(q, kv, pe, kv_len):
@@ -194,57 +137,27 @@ def main() -> int:
     dev = torch.device("cuda")
     # Device-made descriptors live in scratch memory that Triton asks the caller for.
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=dev, dtype=torch.int8))
-    B, H, S = 3, 128, 1000
-    q = torch.randn(B, H, C + R, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(B, S, C, device=dev, dtype=torch.bfloat16)
-    pe = torch.randn(B, S, R, device=dev, dtype=torch.bfloat16)
-    kv_len = torch.tensor([S, S // 2 + 17, 3], device=dev, dtype=torch.int32)
+    q, kv, pe, kv_len = latent_inputs(3, 128, 1000, dev, kv_len=(1000, 517, 3))
     for row, n in enumerate(kv_len.tolist()):  # dead slots hold NaN: no variant may read them into a product
         kv[row, n:] = float("nan")
         pe[row, n:] = float("nan")
     ref = reference(q, kv, pe, kv_len)
-    rows = []
-    for variant in VARIANTS:
-        for tiles in TILES:
-            try:
-                o, lse, compiled = launch(variant, q, kv, pe, kv_len, 4, tiles)
-                err = ((merged(o, lse) - ref).norm() / ref.norm()).item()
-            except Exception as exc:  # noqa: BLE001 - a variant the compiler refuses is a row of its own
-                print(f"{variant} {tiles}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-            rows.append((variant, tiles, err))
-            print(f"{variant} {tiles}: err {err:.2e}, {regs} regs, {spills} spills", flush=True)
-    results = []
+    rows = check_variants(launch, VARIANTS, TILES, (q, kv, pe, kv_len), ref)
+    times: dict = {}
     for B, H, S in ((8, 128, 32768), (32, 128, 32768)):
-        q = torch.randn(B, H, C + R, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(B, S, C, device=dev, dtype=torch.bfloat16)
-        pe = torch.randn(B, S, R, device=dev, dtype=torch.bfloat16)
-        kv_len = torch.full((B,), S, device=dev, dtype=torch.int32)
+        q, kv, pe, kv_len = latent_inputs(B, H, S, dev)
         splits = max(1, 132 // (B * 2))
-        flops = B * H * S * 2.0 * (2 * C + R)
         for _ in range(3):  # interleaved rounds: every variant once a round
             for variant, tiles, err in rows:
-                if not err < 2e-2:
-                    continue
-                ms = triton.testing.do_bench(lambda: launch(variant, q, kv, pe, kv_len, splits, tiles),
-                                             warmup=25, rep=200, return_mode="median")
-                results.append(((B, H, S, variant, tiles["block_s"], tiles["num_warps"], tiles["num_stages"]), ms))
-        by_point: dict = {}
-        for key, ms in results:
-            if key[:3] == (B, H, S):
-                by_point.setdefault(key, []).append(ms)
-        for key, times in by_point.items():
-            ms = statistics.median(times)
-            print(f"B={B} H={H} S={S} {key[3]} {key[4]}/{key[5]}/{key[6]}: {ms:.4f} ms "
-                  f"({min(times):.4f}-{max(times):.4f}), {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-    print("\n| B | H | S | variant | block_s/warps/stages | ms | TFLOP/s |")
-    grouped: dict = {}
-    for key, ms in results:
-        grouped.setdefault(key, []).append(ms)
-    for (B, H, S, variant, bs, nw, ns), times in grouped.items():
-        ms = statistics.median(times)
-        print(f"| {B} | {H} | {S} | {variant} | {bs}/{nw}/{ns} | {ms:.4f} | "
+                if err < 2e-2:
+                    key = (B, H, S, variant, f"{tiles['block_s']}/{tiles['num_warps']}/{tiles['num_stages']}")
+                    times.setdefault(key, []).append(triton.testing.do_bench(
+                        lambda: launch(variant, q, kv, pe, kv_len, splits, tiles),
+                        warmup=25, rep=200, return_mode="median"))
+    print("\n| B | H | S | variant | block_s/warps/stages | ms (min-max) | TFLOP/s |")
+    for (B, H, S, variant, tiling), runs in times.items():
+        ms = statistics.median(runs)
+        print(f"| {B} | {H} | {S} | {variant} | {tiling} | {ms:.4f} ({min(runs):.4f}-{max(runs):.4f}) | "
               f"{B * H * S * 2.0 * (2 * C + R) / ms / 1e9:.0f} |")
     return 0
 

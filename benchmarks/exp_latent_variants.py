@@ -133,6 +133,35 @@ def merged(o, lse):
     return (o * weights[..., None]).sum(2)
 
 
+def latent_inputs(B, H, S, dev, kv_len=None):
+    """Random bf16 ``q [B, H, C + R]``, latent ``[B, S, C]`` and rope ``[B, S, R]``, and
+    the lengths (every slot live unless ``kv_len`` is given)."""
+    q = torch.randn(B, H, C + R, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(B, S, C, device=dev, dtype=torch.bfloat16)
+    pe = torch.randn(B, S, R, device=dev, dtype=torch.bfloat16)
+    lengths = torch.full((B,), S, dtype=torch.int32) if kv_len is None else torch.tensor(kv_len, dtype=torch.int32)
+    return q, kv, pe, lengths.to(dev)
+
+
+def check_variants(launch, variants, tiles_list, inputs, ref) -> list:
+    """Every variant at every tiling once, as four merged slices against ``ref``; prints the
+    error, registers and spills (or why the compiler refused it) and returns
+    ``[(variant, tiles, error)]`` for those that ran."""
+    rows = []
+    for variant in variants:
+        for tiles in tiles_list:
+            try:
+                o, lse, compiled = launch(variant, *inputs, 4, tiles)
+                err = ((merged(o, lse) - ref).norm() / ref.norm()).item()
+            except Exception as exc:  # noqa: BLE001 - a variant the compiler refuses is a row of its own
+                print(f"{variant} {tiles}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            rows.append((variant, tiles, err))
+            print(f"{variant} {tiles}: err {err:.2e}, {regs} regs, {spills} spills", flush=True)
+    return rows
+
+
 def reference(q, kv, pe, kv_len):
     scores = (torch.einsum("bhc,bsc->bhs", q[..., :C].float(), kv.float())
               + torch.einsum("bhr,bsr->bhs", q[..., C:].float(), pe.float())) * 0.07
@@ -146,34 +175,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("exp_latent_variants.py times CUDA kernels: run it on a GPU machine")
     dev = torch.device("cuda")
-    small = dict(B=3, H=128, S=1000)
-    q = torch.randn(small["B"], small["H"], C + R, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(small["B"], small["S"], C, device=dev, dtype=torch.bfloat16)
-    pe = torch.randn(small["B"], small["S"], R, device=dev, dtype=torch.bfloat16)
-    kv_len = torch.tensor([small["S"], small["S"] // 2 + 17, 3], device=dev, dtype=torch.int32)
+    q, kv, pe, kv_len = latent_inputs(3, 128, 1000, dev, kv_len=(1000, 517, 3))
     ref = reference(q, kv, pe, kv_len)
-    rows = []
-    for variant in VARIANTS:
-        for tiles in TILES:
-            try:
-                o, lse, compiled = launch(variant, q, kv, pe, kv_len, 4, tiles)
-                out = merged(o, lse)
-                err = ((out - ref).norm() / ref.norm()).item()
-                regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-            except Exception as exc:  # noqa: BLE001 - a variant the compiler refuses is a row of its own
-                print(f"{variant} {tiles}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                continue
-            rows.append((variant, tiles, err, regs, spills))
-            print(f"{variant} {tiles}: err {err:.2e}, {regs} regs, {spills} spills", flush=True)
+    rows = check_variants(launch, VARIANTS, TILES, (q, kv, pe, kv_len), ref)
     results = []
     for B, H, S in ((8, 128, 32768), (32, 128, 32768)):
-        q = torch.randn(B, H, C + R, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(B, S, C, device=dev, dtype=torch.bfloat16)
-        pe = torch.randn(B, S, R, device=dev, dtype=torch.bfloat16)
-        kv_len = torch.full((B,), S, device=dev, dtype=torch.int32)
+        q, kv, pe, kv_len = latent_inputs(B, H, S, dev)
         splits = max(1, 132 // (B * 2))
         flops = B * H * S * 2.0 * (2 * C + R)
-        for variant, tiles, err, _, _ in rows:
+        for variant, tiles, err in rows:
             if err > 2e-2:
                 continue
             times = []
