@@ -93,6 +93,22 @@ def cache_length(KV_LEN, b, S):
 
 
 @triton.jit
+def window_bounds(POS_ROW, s_post, T, q_min, q_max, SCAN: tl.constexpr):
+    """Of the ``T`` new tokens at ``POS_ROW`` as keys, for a tile of queries at positions
+    ``[q_min, q_max]``: ``full``, before which every key is seen by every query, and
+    ``hi``, from which no key is seen by any (the latent window kernel shares it)."""
+    full = tl.full([], 0, tl.int32) + T
+    hi = tl.full([], 0, tl.int32)
+    for start in range(0, T, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        in_range = offs < T
+        k_pos = tl.load(POS_ROW + offs * s_post, mask=in_range, other=0)
+        full = tl.minimum(full, tl.min(tl.where(in_range & (k_pos > q_min), offs, T), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(in_range & (k_pos <= q_max), offs + 1, 0), 0))
+    return full, hi
+
+
+@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, KV_LEN, POS, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -127,15 +143,7 @@ def _flash_fwd_kernel(
         q_pos = tl.load(pos_base + tok * s_pt)
         q_min = tl.min(q_pos, 0)
         q_max = tl.max(q_pos, 0)
-        # Keys [0, full) are seen by every query of the tile; keys [hi, T) by none.
-        full = tl.full([], 0, tl.int32) + T
-        hi = tl.full([], 0, tl.int32)
-        for start in range(0, T, SCAN):
-            offs = start + tl.arange(0, SCAN)
-            in_range = offs < T
-            k_pos = tl.load(pos_base + offs * s_pt, mask=in_range, other=0)
-            full = tl.minimum(full, tl.min(tl.where(in_range & (k_pos > q_min), offs, T), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(in_range & (k_pos <= q_max), offs + 1, 0), 0))
+        full, hi = window_bounds(pos_base, s_pt, T, q_min, q_max, SCAN)
     else:
         hi = cache_length(KV_LEN, b, S)
         full = hi

@@ -77,6 +77,7 @@ from dcp_compile.ops.attention import (
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
     at_kernel_width, cache_length, check_index, check_inputs, kernel_width, prefix_flash_triton, scan_block,
+    window_bounds,
 )
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -134,18 +135,6 @@ def _split_range(kv_len, num_splits, split, BLOCK_S: tl.constexpr):
     split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
     lo = split * split_len
     return lo, tl.minimum(lo + split_len, kv_len)
-
-
-@triton.jit
-def _window_end(POS_ROW, s_post, T, q_max, SCAN: tl.constexpr):
-    """One past the last of the ``T`` new tokens that a query at position ``q_max`` sees:
-    past it, the causal window's blocks are masked for every row of the tile."""
-    end = tl.full([], 0, tl.int32)
-    for start in range(0, T, SCAN):
-        offs = start + tl.arange(0, SCAN)
-        k_pos = tl.load(POS_ROW + offs * s_post, mask=offs < T, other=0)
-        end = tl.maximum(end, tl.max(tl.where((offs < T) & (k_pos <= q_max), offs + 1, 0), 0))
-    return end
 
 
 @triton.jit
@@ -363,7 +352,7 @@ def _latent_split_kernel(
     ``CAUSAL``: MLA's window instead, the ``S = T`` new tokens as keys, key ``s`` seen by
     token ``t`` where ``POS[b, s] <= POS[b, t]``; ``KV_LEN`` is not read.  Positions may
     come in any order, so a row may see nothing in a block: the masked softmax step; the
-    loop ends at the last key any row of the tile sees (``_window_end``), which for a
+    loop ends at the last key any row of the tile sees (``window_bounds``), which for a
     chunk in order halves the work.
 
     Rows are (head, token) pairs, ``ROWS`` of them a program: at decode all heads of a
@@ -385,7 +374,8 @@ def _latent_split_kernel(
 
     if CAUSAL:  # one slice (num_splits = 1), over the keys some row of the tile sees
         q_pos = tl.load(POS + b * s_posb + tok * s_post, mask=row_ok, other=0)  # padding rows are not stored
-        lo, hi = 0, _window_end(POS + b * s_posb, s_post, S, tl.max(q_pos, 0), SCAN)
+        _, hi = window_bounds(POS + b * s_posb, s_post, S, tl.min(q_pos, 0), tl.max(q_pos, 0), SCAN)
+        lo = 0
     else:
         lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
     kv_base = KV + b * s_cb
