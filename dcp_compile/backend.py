@@ -76,7 +76,8 @@ class Backend:
     DCP like for like.  Off by default: a size-1 group compiles as plain torch.compile."""
     check_positions: bool = True
     """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
-    device-to-host sync per call on GPU."""
+    device-to-host sync per call on GPU, so a call captured in a CUDA graph is refused
+    (with the fix) unless this is off."""
     dump_dir: Path | None = None
     """Write each graph's code before and after every pass here."""
     compiled: list[CompiledGraph] = field(default_factory=list, repr=False)
@@ -221,6 +222,15 @@ class Backend:
                 positions = args[i]
                 if not positions.numel():
                     continue
+                if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+                    # Refused before the host read, which would abort the capture with
+                    # CUDA's "operation not permitted when stream is capturing".
+                    raise RuntimeError(
+                        "this compiled call is being captured in a CUDA graph, but the backend checks its positions "
+                        "against max_seq_len on the host before every call, which a capture cannot do: build the "
+                        "backend with check_positions=False for graphs you capture, and keep every position in "
+                        f"[0, max_seq_len={max_seq_len}) yourself (stop each sequence before it reaches the cache's end)"
+                    )
                 low, high = int(positions.min()), int(positions.max()) + reach
                 if low < 0 or high >= max_seq_len:
                     raise ValueError(

@@ -89,6 +89,37 @@ def test_position_at_or_beyond_max_seq_len():
             compiled(tokens, torch.full_like(tokens, cfg.max_seq_len))
 
 
+@pytest.mark.gpu
+def test_a_captured_call_asks_for_check_positions_off():
+    """The positions check reads them on the host, which a CUDA-graph capture refuses:
+    the capture gets the fix in words, before CUDA's own error, the device stays usable,
+    and with the check off the same step captures and replays as it runs eagerly."""
+    cfg = LlamaConfig()
+    device = torch.device("cuda", 0)
+    group = dcp.init_group(device)
+    model = make_model(cfg).to(device)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+    tokens = torch.ones(cfg.max_batch, 1, dtype=torch.long, device=device)
+    positions = torch.zeros_like(tokens)
+    compiled = {
+        checked: torch.compile(model, backend=dcp.backend(group, check_positions=checked), fullgraph=True,
+                               dynamic=False)
+        for checked in (True, False)
+    }
+    with torch.no_grad():
+        eager = compiled[True](tokens, positions).clone()  # compiles outside the capture
+        with pytest.raises(RuntimeError, match=r"captured in a CUDA graph.*check_positions=False.*max_seq_len=64"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                compiled[True](tokens, positions)
+        torch.testing.assert_close(compiled[True](tokens, positions), eager, rtol=0, atol=0)
+        compiled[False](tokens, positions)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = compiled[False](tokens, positions)
+        graph.replay()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+
+
 def test_group_larger_than_max_seq_len():
     group = dcp.DCPGroup(size=4, rank=0, device=torch.device("cpu"), process_group=None)
     cfg = LlamaConfig(max_seq_len=3)
