@@ -308,6 +308,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
               f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
               f"figure is the stand-in's")
     else:
+        _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
         cfg, draft = pair_configs(args.model)
         draft = draft if args.k else None
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
@@ -325,6 +326,17 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     for context, row in widest.items():
         print(f"| {context:,} | " + " | ".join(f"{row[n]:,}" for n in sizes) + " |")
     return 0
+
+
+def _check_model(parser: argparse.ArgumentParser, name: str, others: str = "") -> None:
+    """Refuse a ``--model`` that names no checkpoint (or one whose config is not a target
+    and draft) in the command's own process, before ranks are spawned or weights read."""
+    from dcp_compile.models.pretrained import pair_configs
+
+    try:
+        pair_configs(name)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(f"--model {name!r}: {err}{others}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3, help="EAGLE3 chain length (verify staging and draft); 0: no draft")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
+    if args.command in ("demo", "gate", "eval", "serve"):
+        _check_model(parser, args.model)
     if args.command == "plan":
         return plan_command(parser, args)
     if args.command == "serve":

@@ -47,10 +47,26 @@ def test_demo_rejects_bad_flags(flags, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_demo_with_a_missing_model_directory_says_what_it_expected(tmp_path):
-    proc = run_demo("--model", str(tmp_path / "nowhere"), "--max-new-tokens", "2")
-    assert proc.returncode != 0
-    assert "no checkpoint directory at" in proc.stderr and "dcp-compile train --out DIR" in proc.stderr
+@pytest.mark.parametrize("command", ["demo", "gate", "eval", "serve", "plan"])
+def test_a_model_that_names_no_checkpoint_is_a_usage_error(command, tmp_path, capsys):
+    """Refused in the command's own process with the choices, not as a traceback from a
+    spawned rank or a half-started server."""
+    extra = ["--gpu-gib", "80"] if command == "plan" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--model", str(tmp_path / "nowhere"), *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert f"--model '{tmp_path / 'nowhere'}': no checkpoint directory at" in err
+    assert "shipped name (tiny-code)" in err and "dcp-compile train --out DIR" in err
+    assert ("one of the shapes llama3-8b, deepseek-v2-lite, deepseek-v3" in err) == (command == "plan")
+
+
+def test_a_checkpoint_whose_config_is_not_a_pair_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"target": {}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--model", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "does not describe a target and draft" in capsys.readouterr().err
 
 
 def test_demo_runs_as_one_rank_under_torchrun_and_only_rank_0_talks():
