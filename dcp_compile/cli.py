@@ -378,14 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train the byte-level target and its EAGLE3 draft on the Python standard library")
     t.add_argument("--out", required=True, help="checkpoint directory to write")
     t.add_argument("--preset", default="tiny-code", help="model and schedule: tiny-code (shipped) or smoke")
-    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--target-steps", type=int)
     t.add_argument("--draft-steps", type=int)
     t.add_argument("--batch", type=int)
     t.add_argument("--measure-acceptance", action="store_true", help="then measure the accept length on held-out files")
     e = sub.add_parser("eval", help="mean accept length of a checkpoint's draft on held-out standard-library files")
     e.add_argument("--model", default="tiny-code", help="shipped name or checkpoint directory")
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3, help="EAGLE3 chain length (verify staging and draft); 0: no draft")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device here; run on a GPU machine, "
+                     f"or pass --device cpu")
     if args.command in ("demo", "gate", "eval", "serve"):
         _check_model(parser, args.model)
     if args.command == "plan":

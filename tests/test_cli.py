@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dcp_compile.cli import main
 from dcp_compile.runtime.launch import free_port
@@ -59,6 +60,17 @@ def test_a_model_that_names_no_checkpoint_is_a_usage_error(command, tmp_path, ca
     assert f"--model '{tmp_path / 'nowhere'}': no checkpoint directory at" in err
     assert "shipped name (tiny-code)" in err and "dcp-compile train --out DIR" in err
     assert ("one of the shapes llama3-8b, deepseek-v2-lite, deepseek-v3" in err) == (command == "plan")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no CUDA device")
+@pytest.mark.parametrize("command", ["demo", "gate", "eval", "serve", "train"])
+def test_cuda_where_there_is_none_is_a_usage_error(command, tmp_path, capsys):
+    extra = ["--out", str(tmp_path / "ckpt")] if command == "train" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--device", "cuda", *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--device cuda: torch" in err and "sees no CUDA device here" in err
+    assert "pass --device cpu" in err and not (tmp_path / "ckpt").exists()
 
 
 def test_a_checkpoint_whose_config_is_not_a_pair_is_a_usage_error(tmp_path, capsys):
