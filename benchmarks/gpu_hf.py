@@ -23,6 +23,19 @@ Reported: max / mean |logit difference| per pair and argmax agreement with the D
 context, one decode step (T = 1) captured in a CUDA graph (collectives included),
 median of CUDA-event timed replays, DCP=2 against DCP=1 (each rank runs DCP=1 alone).
 
+``--family deepseek-v2-lite``: ``transformers.DeepseekV2ForCausalLM`` with DeepSeek-V2-Lite's
+attention (27 layers, hidden 2048, 16 heads, kv_lora 512, rope 64, nope 128, values 128,
+no query LoRA), every layer's MLP dense (intermediate 10944, about 2.4B parameters with the
+embeddings) in place of the MoE, vocab 102400: transformers' own multi-head latent attention,
+which caches the latent and expands every cached slot by ``kv_b_proj`` at each step.
+
+``--one-gpu``: one GPU, no parity run; the step time of a size-1 group compiled with the
+cascade (``cascade=True``: the prefix and window Triton kernels and the merge, what each
+rank of a DCP group runs, without the collective) against plain ``torch.compile`` of the
+same model and cache, on identical cache contents, and how far their logits are apart.
+
+    python3 benchmarks/gpu_hf.py --family deepseek-v2-lite --one-gpu --lowering inductor
+
 The last line is the JSON report.  The script leaves with ``os._exit`` once it has
 printed: NCCL teardown at exit has hung on these machines.
 """
@@ -48,18 +61,28 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
+DEEPSEEK_V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=27)
+SMALL_DEEPSEEK = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                      qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2)
+FAMILIES = {"llama3-8b": ("LlamaConfig", "LlamaForCausalLM", LLAMA3_8B, SMALL),
+            "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE, SMALL_DEEPSEEK)}
 
 
-def build_model(shapes: dict, group: DCPGroup, dtype: torch.dtype):
+def build_model(family: str, small: bool, group: DCPGroup, dtype: torch.dtype):
     import transformers
 
-    config = transformers.LlamaConfig(**shapes, max_position_embeddings=1 << 17, attn_implementation="sdpa")
+    config_class, model_class, shapes, small_shapes = FAMILIES[family]
+    config = getattr(transformers, config_class)(**(small_shapes if small else shapes),
+                                                 max_position_embeddings=1 << 17, attn_implementation="sdpa")
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(group.device):
-            model = transformers.LlamaForCausalLM(config).eval()
+            model = getattr(transformers, model_class)(config).eval()
     finally:
         torch.set_default_dtype(default)
     if group.size > 1:  # the same weights on every rank, whatever the RNG did
@@ -129,8 +152,11 @@ def parity(model, group: DCPGroup, prompt_len: int, steps: int, lowering: str) -
 
 
 @torch.no_grad()
-def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, replays: int) -> float:
-    """Median seconds of one decode step with ``context`` tokens cached per sequence."""
+def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, replays: int,
+              cascade: bool = False) -> tuple[float, torch.Tensor]:
+    """Median seconds of one decode step with ``context`` tokens cached per sequence, and
+    the step's last logits (the cache holds the same random contents for a rank whatever
+    the group and arm)."""
     device, kwarg = group.device, cache_kwarg(model)
     torch._dynamo.reset()
     cache = DCPStaticCache(model.config, group, max_batch_size=batch, max_cache_len=context + 2 * replays + 8,
@@ -139,20 +165,23 @@ def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, r
     for name, buffer in cache.store.named_buffers():
         buffer.normal_(generator=gen)
     cache.length.fill_(context)
-    model_c = torch.compile(model, backend=dcp.backend(group, lowering=lowering), fullgraph=True, dynamic=False)
+    # The replays stay inside the cache (max_cache_len above), so the host-side positions
+    # check, which a capture refuses, is off.
+    backend = dcp.backend(group, lowering=lowering, cascade=cascade, check_positions=False)
+    model_c = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
     def step():
         return model_c(input_ids=ids, **{kwarg: cache}).logits
 
-    step()  # compile
+    logits = step()[:, -1].float().clone()  # compiles; the first step on the filled cache
     if device.type != "cuda":
         times = []
         for _ in range(replays):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(times), logits
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -171,7 +200,7 @@ def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, r
         times.append(begin.elapsed_time(end) / 1e3)
     del graph, cache
     torch.cuda.empty_cache()
-    return statistics.median(times)
+    return statistics.median(times), logits
 
 
 def main() -> int:
@@ -183,30 +212,49 @@ def main() -> int:
     parser.add_argument("--contexts", default="8192,32768")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama3-8b")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="one GPU: a size-1 group with the cascade against plain torch.compile, no parity run")
     args = parser.parse_args()
     if args.small:
         args.prompt_len, args.steps, args.contexts, args.batches, args.replays = 40, 4, "64,128", "1,2", 3
-    group = dcp.init_group("cpu" if args.small else None)
+    if args.one_gpu:
+        group = DCPGroup(1, 0, torch.device("cpu") if args.small else torch.device("cuda", 0), None)
+    else:
+        group = dcp.init_group("cpu" if args.small else None)
     say = print if group.rank == 0 else (lambda *a, **k: None)
     dtype = torch.float32 if args.small else torch.bfloat16
-    model = build_model(SMALL if args.small else LLAMA3_8B, group, dtype)
+    model = build_model(args.family, args.small, group, dtype)
     import transformers
 
+    launcher = [] if args.one_gpu else ["-m torch.distributed.run --nproc-per-node", str(group.size)]
     report = dict(
         dcp_size=group.size, gpu=torch.cuda.get_device_name(group.device) if group.device.type == "cuda" else "cpu",
         torch=torch.__version__, transformers=transformers.__version__, lowering=args.lowering, dtype=str(dtype),
-        command=" ".join([os.path.basename(sys.executable), "-m torch.distributed.run --nproc-per-node", str(group.size),
-                          *sys.argv]),
+        family=args.family, command=" ".join([os.path.basename(sys.executable), *launcher, *sys.argv]),
     )
     start = time.perf_counter()
-    report["parity"] = parity(model, group, args.prompt_len, args.steps, args.lowering)
-    say(json.dumps(report["parity"], indent=1), flush=True)
+    if not args.one_gpu:
+        report["parity"] = parity(model, group, args.prompt_len, args.steps, args.lowering)
+        say(json.dumps(report["parity"], indent=1), flush=True)
     rows = []
     off = DCPGroup(1, group.rank, group.device, None)
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            dcp2 = step_time(model, group, context, batch, args.lowering, args.replays)
-            dcp1 = step_time(model, off, context, batch, args.lowering, args.replays)
+            if args.one_gpu:
+                cascade, cascade_logits = step_time(model, off, context, batch, args.lowering, args.replays, cascade=True)
+                plain, plain_logits = step_time(model, off, context, batch, args.lowering, args.replays)
+                gap = float((cascade_logits - plain_logits).abs().max())
+                agree = float((cascade_logits.argmax(-1) == plain_logits.argmax(-1)).double().mean())
+                rows.append(dict(context=context, batch=batch, cascade_ms=round(1e3 * cascade, 3),
+                                 plain_ms=round(1e3 * plain, 3), ratio=round(cascade / plain, 3),
+                                 max_logit_gap=gap, argmax_agreement=agree))
+                say(f"context {context:>6}  batch {batch}  cascade {1e3 * cascade:8.3f} ms  plain torch.compile "
+                    f"{1e3 * plain:8.3f} ms  ratio {cascade / plain:.3f}  max |logit gap| {gap:.3g}  argmax agree "
+                    f"{agree:.2f}", flush=True)
+                continue
+            dcp2, _ = step_time(model, group, context, batch, args.lowering, args.replays)
+            dcp1, _ = step_time(model, off, context, batch, args.lowering, args.replays)
             rows.append(dict(context=context, batch=batch, dcp2_ms=round(1e3 * dcp2, 3), dcp1_ms=round(1e3 * dcp1, 3),
                              ratio=round(dcp2 / dcp1, 3)))
             say(f"context {context:>6}  batch {batch}  DCP=2 {1e3 * dcp2:8.3f} ms  DCP=1 {1e3 * dcp1:8.3f} ms  "
