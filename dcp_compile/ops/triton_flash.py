@@ -201,17 +201,23 @@ def flash_config(head_dim: int, element_size: int, window: bool) -> tuple[int, i
 
 
 def check_inputs(
-    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention"
+    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention",
+    any_width: bool = False,
 ) -> None:
     """Refuse what a Triton attention kernel cannot run, saying what it expected, what it
     got and the fix; ``form`` is ``"prefix"`` (``extra`` = kv_len) or ``"window"``
-    (``extra`` = positions); ``kernel`` names the kernel in the messages."""
+    (``extra`` = positions); ``kernel`` names the kernel in the messages.  ``any_width``:
+    the kernel masks the head axis, so values may be narrower or wider than the keys and
+    neither width need be a power of two (each at most 256)."""
     kv = ("k_cache", "v_cache") if form == "prefix" else ("k_new", "v_new")
     keys = "S" if form == "prefix" else "T"
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+    same = v.shape[:-1] == k.shape[:-1] if any_width else v.shape == k.shape
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not same:
+        expected = (f"{kv[0]} [B,Hkv,{keys},D] and {kv[1]} [B,Hkv,{keys},Dv]" if any_width
+                    else f"{kv[0]}, {kv[1]} [B,Hkv,{keys},D] of one shape")
         raise ValueError(
-            f"{form}_attention expects q [B,Hq,T,D] and {kv[0]}, {kv[1]} [B,Hkv,{keys},D] of one shape; got q "
-            f"{tuple(q.shape)}, {kv[0]} {tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
+            f"{form}_attention expects q [B,Hq,T,D] and {expected}; got q {tuple(q.shape)}, {kv[0]} "
+            f"{tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
         )
     B, Hq, T, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
@@ -221,7 +227,11 @@ def check_inputs(
             f"{form}_attention: q {tuple(q.shape)} does not match {kv[0]} {tuple(k.shape)}: need the same B and "
             f"D{same_t}, and Hq a multiple of Hkv; transpose to [B, heads, tokens, D] if the heads are not dim 1"
         )
-    if D < 16 or D > 256 or D & (D - 1):
+    if any_width:
+        if kernel_width(D, v.shape[-1]) is None:
+            raise ValueError(f"the Triton {kernel} kernel takes keys and values at most 256 wide, got {D} and "
+                             f"{v.shape[-1]}: run the reference")
+    elif D < 16 or D > 256 or D & (D - 1):
         raise ValueError(
             f"the Triton {kernel} kernel needs a head dim D that is a power of two in [16, 256], got "
             f"D={D}; pad q, {kv[0]} and {kv[1]} with zeros along D to {max(16, 1 << (D - 1).bit_length())} "

@@ -158,7 +158,13 @@ def _prefix_split_kernel(
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
 ):
+    # D is the tile's head width, a power of two; the keys are DK wide and the values DV
+    # (transformers' expanded MLA: 192 and 128), read unpadded under a mask on the head
+    # axis.  The masks on q and v keep each load inside its row: what they keep out could
+    # only reach key columns that are zero or output columns past DV, which the wrapper
+    # cuts off.  The output has D columns.
     split = tl.program_id(0)
     row_blocks = tl.cdiv(G * T, ROWS)
     kv_head = tl.program_id(1) // row_blocks
@@ -171,9 +177,11 @@ def _prefix_split_kernel(
     head = (kv_head * G + rows // T).to(tl.int64)
     tok = rows % T
     offs_d = tl.arange(0, D)
+    k_cols = offs_d < DK
+    v_cols = offs_d < DV
     q = tl.load(
         Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt + offs_d[None, :] * s_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & k_cols[None, :], other=0.0,
     )
 
     lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
@@ -186,8 +194,16 @@ def _prefix_split_kernel(
     for start in range(lo, hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         live = offs_s < hi
-        k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None], other=0.0)
-        v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None], other=0.0)
+        if DK == D:  # the mask on the head axis only where it masks something
+            k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None] & k_cols[None, :],
+                        other=0.0)
+        if DV == D:
+            v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None] & v_cols[None, :],
+                        other=0.0)
         # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
         scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
         p, alpha, m, l = _softmax_step(scores, live, m, l)
@@ -296,17 +312,21 @@ def prefix_attention_triton(
     num_splits: int | None = None,
     block_s: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+    """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
-    ``num_splits`` (slices of the cache per sequence and KV head, at most
-    ``MAX_SPLITS``) and ``block_s`` (slots per loop step: 16, 32, 64 or 128) override
-    ``split_plan`` and ``default_block_s``, for tests and tuning.
+    Keys (and q) ``D`` wide and values ``Dv`` wide, each at most 256 and neither
+    necessarily a power of two: the split-KV kernel reads them unpadded, masking its
+    tile's head axis (``kernel_width``) past each.  ``num_splits`` (slices of the cache
+    per sequence and KV head, at most ``MAX_SPLITS``) and ``block_s`` (slots per loop
+    step: 16, 32, 64 or 128) override ``split_plan`` and ``default_block_s``, for tests
+    and tuning.
     """
-    check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
+    check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention", any_width=True)
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
-    B, Hq, T, D = (int(n) for n in q.shape)
-    Hkv, S = int(k_cache.shape[1]), int(k_cache.shape[2])
+    B, Hq, T, DK = (int(n) for n in q.shape)
+    Hkv, S, DV = int(k_cache.shape[1]), int(k_cache.shape[2]), int(v_cache.shape[3])
+    D = kernel_width(DK, DV)
     G = Hq // Hkv
     if block_s is None:
         block_s = default_block_s(D, q.element_size())
@@ -325,10 +345,11 @@ def prefix_attention_triton(
         S, T, G, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        DK=DK, DV=DV, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
-    return out, lse
+    # A step's output (at most SPLIT_KV_MAX_TOKENS tokens) is small next to the cache.
+    return (out if DV == D else out[..., :DV].contiguous()), lse
 
 
 @triton.jit
@@ -586,9 +607,13 @@ def _kernel_for(q: torch.Tensor):
 
 
 def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale):
-    """The prefix kernel (``_kernel_for``) for keys and values of any widths up to 256
-    (``at_kernel_width``)."""
-    return at_kernel_width(_kernel_for(q), q, k_cache, v_cache, kv_len, scale)
+    """The prefix kernel (``_kernel_for``) for keys and values of any widths up to 256:
+    the split-KV kernel (decode and verify) reads them as they are; the flash kernel
+    (prefill chunks) takes them zero-padded (``at_kernel_width``)."""
+    kernel = _kernel_for(q)
+    if kernel is prefix_attention_triton:
+        return kernel(q, k_cache, v_cache, kv_len, scale)
+    return at_kernel_width(kernel, q, k_cache, v_cache, kv_len, scale)
 
 
 def _cuda_form(q, k_cache, v_cache):

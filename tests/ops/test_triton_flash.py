@@ -330,8 +330,9 @@ def test_kernel_matches_float64_reference_on_gpu(name):
 @pytest.mark.gpu
 @needs_cuda
 def test_inductor_runs_keys_and_values_of_other_widths_on_the_kernels():
-    """transformers' expanded MLA widths (keys 192, values 128): padded to 256 inside the
-    compiled graph, no opaque call of the reference (which reads kv_len on the host)."""
+    """transformers' expanded MLA widths (keys 192, values 128) at a verify step: the
+    split-KV kernel reads them unpadded (no zero-padded copy of the cache in the compiled
+    graph) and no opaque call of the reference (which reads kv_len on the host)."""
     from torch._inductor.utils import run_and_get_code
 
     _, prefix, allowed = prefix_case(52, t=4, hq=8, d=192, dv=128, s=300, kv_len=(0, 300, 117), dtype=torch.bfloat16)
@@ -344,6 +345,7 @@ def test_inductor_runs_keys_and_values_of_other_widths_on_the_kernels():
                                         *(prefix[n].cuda() for n in ("q", "k_cache", "v_cache", "kv_len")))
     code = "\n".join(code)
     assert "_prefix_split_kernel" in code and "dcp.prefix_attention" not in code
+    assert "constant_pad_nd" not in code
     check_against_reference((out / 2).cpu(), lse.cpu(), prefix, allowed)
 
 

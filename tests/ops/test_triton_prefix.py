@@ -35,18 +35,20 @@ TOLERANCE = {
 }
 
 
-def make_case(seed, *, t=1, g=4, hkv=2, d=64, s=150, kv_len=(0, 150, 77), dtype=torch.float32, num_splits=None,
-              block_s=None, strided=False):
-    """Op arguments with NaN in the unused slots, and clean K/V for the reference."""
+def make_case(seed, *, t=1, g=4, hkv=2, d=64, dv=None, s=150, kv_len=(0, 150, 77), dtype=torch.float32,
+              num_splits=None, block_s=None, strided=False):
+    """Op arguments with NaN in the unused slots, and clean K/V for the reference; values
+    ``dv`` wide (``d`` unless given)."""
     gen = torch.Generator().manual_seed(seed)
     b = len(kv_len)
+    dv = d if dv is None else dv
     q = torch.randn(b, hkv * g, t, d, generator=gen).to(dtype)
     if strided:  # a window of a larger, D-major cache: no unit stride along D
         k = torch.randn(b, hkv, d, s + 20, generator=gen).to(dtype).transpose(2, 3)[:, :, 10 : 10 + s]
-        v = torch.randn(b, hkv, d, s + 20, generator=gen).to(dtype).transpose(2, 3)[:, :, 10 : 10 + s]
+        v = torch.randn(b, hkv, dv, s + 20, generator=gen).to(dtype).transpose(2, 3)[:, :, 10 : 10 + s]
     else:
         k = torch.randn(b, hkv, s, d, generator=gen).to(dtype)
-        v = torch.randn(b, hkv, s, d, generator=gen).to(dtype)
+        v = torch.randn(b, hkv, s, dv, generator=gen).to(dtype)
     lengths = torch.tensor(kv_len)
     unused = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, :, None]
     args = dict(q=q, k_cache=k.masked_fill(unused, float("nan")), v_cache=v.masked_fill(unused, float("nan")),
@@ -70,6 +72,15 @@ def build_cases():
     cases["fp16"] = make_case(5, t=5, dtype=torch.float16)
     cases["strided-cache"] = make_case(6, t=5, kv_len=(150, 3, 64), strided=True)
     cases["head-dim-16"] = make_case(7, t=1, d=16, kv_len=(150, 1, 64))
+    # Keys and values read unpadded under a mask on the head axis: transformers' expanded
+    # MLA (192 and 128), Phi-3's 96, values wider than keys, a width under the tile's 16,
+    # and a D-major cache whose rows the mask must not run past.
+    cases["unpadded-192-128-bf16"] = make_case(9, t=1, g=1, d=192, dv=128, s=40, kv_len=(40, 0, 17),
+                                               dtype=torch.bfloat16)
+    cases["unpadded-96-verify"] = make_case(10, t=4, d=96, kv_len=(150, 1, 0), num_splits=3, block_s=32)
+    cases["unpadded-24-48"] = make_case(11, t=2, d=24, dv=48, s=70, kv_len=(70, 33, 5))
+    cases["unpadded-8"] = make_case(12, t=1, d=8, s=64, kv_len=(64, 9, 0))
+    cases["unpadded-strided"] = make_case(13, t=3, d=40, dv=24, kv_len=(150, 77, 2), strided=True)
     return cases
 
 
@@ -111,14 +122,14 @@ def test_kernel_matches_float64_reference(interpreted, name):
     q = CASES[name][0]["q"]
     out, lse = interpreted[name]
     assert out.dtype == lse.dtype == torch.float32
-    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert out.shape == (*q.shape[:3], CASES[name][0]["v_cache"].shape[-1]) and lse.shape == q.shape[:3]
     assert_matches_reference(out, lse, name)
 
 
-@pytest.mark.parametrize("d", [48, 96, 8, 512])
-def test_unsupported_head_dim_is_refused_with_the_fix(d):
-    args, _ = make_case(0, d=d)
-    with pytest.raises(ValueError, match=r"power of two in \[16, 256\].*pad"):
+@pytest.mark.parametrize("d,dv", [(512, 512), (192, 320)])
+def test_keys_or_values_past_256_are_refused_with_the_fix(d, dv):
+    args, _ = make_case(0, d=d, dv=dv)
+    with pytest.raises(ValueError, match=rf"at most 256 wide, got {d} and {dv}: run the reference"):
         prefix_attention_triton(**args)
 
 
