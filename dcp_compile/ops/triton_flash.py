@@ -14,7 +14,8 @@ out fp32 ``[B,Hq,T,D]``, lse fp32 ``[B,Hq,T]``; a row that sees no key gets
 ``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
 ``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.  The registered
 ops' CUDA forms take keys and values of any widths up to 256, the values' width apart
-from the keys' (``at_kernel_width`` zero-pads them to the kernel's width).
+from the keys' (``at_kernel_width`` zero-pads them to the kernel's width for these
+kernels; the split-KV decode kernel masks its head axis instead).
 
 - **Tile.**  The ``G = Hq // Hkv`` query heads of a KV group are packed into the
   tile's rows, token-major (row ``r`` is token ``r // G`` of head ``r % G`` of the

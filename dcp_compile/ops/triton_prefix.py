@@ -26,7 +26,9 @@ Three choices follow from that:
 
 Slots at or past ``kv_len[b]`` are never loaded (masked loads), and their scores are
 set to ``-inf`` with ``tl.where``, so NaN or inf left in unused slots cannot leak:
-``0 * NaN`` never happens.
+``0 * NaN`` never happens.  Keys and values may be of other widths than the tile's
+power of two, and of different widths (transformers' expanded MLA: 192 and 128): the
+loads mask the head axis, so a decode step reads the cache as it is, with no padded copy.
 
 **How it is registered, and why.**  ``dcp::prefix_attention`` stays an ordinary
 ``custom_op`` whose default kernel is the torch reference, so the CPU path and the
