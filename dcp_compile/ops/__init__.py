@@ -6,7 +6,7 @@ from dcp_compile.ops.attention import (
     window_attention,
 )
 from dcp_compile.ops.merge import lse_merge
-from dcp_compile.ops.triton_flash import prefix_flash_triton, window_attention_any_width, window_flash_triton
+from dcp_compile.ops.triton_flash import prefix_flash_triton, window_flash_triton
 from dcp_compile.ops.triton_prefix import (
     latent_prefix_attention_triton, latent_window_attention_triton, prefix_attention_any_width, prefix_attention_triton,
 )
@@ -15,5 +15,5 @@ __all__ = [
     "attention_with_lse", "blocked_attention", "latent_prefix_attention", "latent_prefix_attention_triton",
     "latent_window_attention", "latent_window_attention_triton", "lse_merge",
     "prefix_attention", "prefix_attention_any_width", "prefix_attention_triton",
-    "prefix_flash_triton", "window_attention", "window_attention_any_width", "window_flash_triton",
+    "prefix_flash_triton", "window_attention", "window_flash_triton",
 ]

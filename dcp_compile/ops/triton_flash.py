@@ -14,8 +14,8 @@ out fp32 ``[B,Hq,T,D]``, lse fp32 ``[B,Hq,T]``; a row that sees no key gets
 ``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
 ``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.  The registered
 ops' CUDA forms take keys and values of any widths up to 256, the values' width apart
-from the keys' (``at_kernel_width`` zero-pads them to the kernel's width for these
-kernels; the split-KV decode kernel masks its head axis instead).
+from the keys': the kernels run a power-of-two tile (``kernel_width``) and mask its head
+axis past each width, so nothing is padded in memory.
 
 - **Tile.**  The ``G = Hq // Hkv`` query heads of a KV group are packed into the
   tile's rows, token-major (row ``r`` is token ``r // G`` of head ``r % G`` of the
@@ -121,8 +121,11 @@ def _flash_fwd_kernel(
     s_ob, s_oh, s_ot, s_od,
     s_lb, s_lh, s_lt,
     WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
 ):
+    # D is the tile's head width, a power of two; q and the keys are DK wide, the values
+    # and the output DV (transformers' expanded MLA: 192 and 128), read and written
+    # unpadded under a mask on the head axis where a width falls short of D.
     pid_m = tl.program_id(0)
     if WINDOW:
         # Later tiles see more keys: start them first so the light ones fill the tail.
@@ -137,7 +140,13 @@ def _flash_fwd_kernel(
     tok = tl.minimum(rows // G, T - 1).to(tl.int64)
     head = (kv_head * G + rows % G).to(tl.int64)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt + offs_d[None, :] * s_qd)
+    k_cols = offs_d < DK
+    v_cols = offs_d < DV
+    q_ptrs = Q + b * s_qb + head[:, None] * s_qh + tok[:, None] * s_qt + offs_d[None, :] * s_qd
+    if DK == D:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=k_cols[None, :], other=0.0)
 
     if WINDOW:
         pos_base = POS + b * s_pb
@@ -158,8 +167,14 @@ def _flash_fwd_kernel(
     for start in range(0, hi, BLOCK_N):
         keys = start + offs_n
         live = keys < hi
-        k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
+        if DK == D:  # the mask on the head axis only where it masks something
+            k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=live[:, None] & k_cols[None, :], other=0.0)
+        if DV == D:
+            v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=live[:, None] & v_cols[None, :], other=0.0)
         # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
         scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
         # Blocks inside [0, full) are live and seen by every row: only the others need
@@ -190,7 +205,7 @@ def _flash_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(seen_any, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log
     tl.store(O + b * s_ob + head[:, None] * s_oh + tok[:, None] * s_ot + offs_d[None, :] * s_od, out,
-             mask=row_ok[:, None])
+             mask=row_ok[:, None] & v_cols[None, :])
     tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt, lse, mask=row_ok)
 
 
@@ -202,23 +217,19 @@ def flash_config(head_dim: int, element_size: int, window: bool) -> tuple[int, i
 
 
 def check_inputs(
-    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention",
-    any_width: bool = False,
+    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention"
 ) -> None:
     """Refuse what a Triton attention kernel cannot run, saying what it expected, what it
     got and the fix; ``form`` is ``"prefix"`` (``extra`` = kv_len) or ``"window"``
-    (``extra`` = positions); ``kernel`` names the kernel in the messages.  ``any_width``:
-    the kernel masks the head axis, so values may be narrower or wider than the keys and
-    neither width need be a power of two (each at most 256)."""
+    (``extra`` = positions); ``kernel`` names the kernel in the messages.  The kernels
+    mask the head axis, so the values may be narrower or wider than the keys and neither
+    width need be a power of two; each is at most 256."""
     kv = ("k_cache", "v_cache") if form == "prefix" else ("k_new", "v_new")
     keys = "S" if form == "prefix" else "T"
-    same = v.shape[:-1] == k.shape[:-1] if any_width else v.shape == k.shape
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not same:
-        expected = (f"{kv[0]} [B,Hkv,{keys},D] and {kv[1]} [B,Hkv,{keys},Dv]" if any_width
-                    else f"{kv[0]}, {kv[1]} [B,Hkv,{keys},D] of one shape")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:-1] != k.shape[:-1]:
         raise ValueError(
-            f"{form}_attention expects q [B,Hq,T,D] and {expected}; got q {tuple(q.shape)}, {kv[0]} "
-            f"{tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
+            f"{form}_attention expects q [B,Hq,T,D], {kv[0]} [B,Hkv,{keys},D] and {kv[1]} [B,Hkv,{keys},Dv]; got q "
+            f"{tuple(q.shape)}, {kv[0]} {tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
         )
     B, Hq, T, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
@@ -228,16 +239,10 @@ def check_inputs(
             f"{form}_attention: q {tuple(q.shape)} does not match {kv[0]} {tuple(k.shape)}: need the same B and "
             f"D{same_t}, and Hq a multiple of Hkv; transpose to [B, heads, tokens, D] if the heads are not dim 1"
         )
-    if any_width:
-        if kernel_width(D, v.shape[-1]) is None:
-            raise ValueError(f"the Triton {kernel} kernel takes keys and values at most 256 wide, got {D} and "
-                             f"{v.shape[-1]}: run the reference")
-    elif D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(
-            f"the Triton {kernel} kernel needs a head dim D that is a power of two in [16, 256], got "
-            f"D={D}; pad q, {kv[0]} and {kv[1]} with zeros along D to {max(16, 1 << (D - 1).bit_length())} "
-            f"(and keep the softmax scale of the original D), or run the reference on CPU"
-        )
+    if kernel_width(D, v.shape[-1]) is None:
+        raise ValueError(f"the Triton {kernel} kernel takes keys and values at most 256 wide, got {D} and "
+                         f"{v.shape[-1]}: run the reference (dcp_compile.ops.prefix_attention and window_attention "
+                         f"run it on CUDA for such widths)")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"the Triton {kernel} kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
@@ -272,8 +277,9 @@ def scan_block(T: int, window: bool) -> int:
     return max(16, min(SCAN_BLOCK, triton.next_power_of_2(T))) if window else 16
 
 
-def _blocks(q: torch.Tensor, window: bool, block_m: int | None, block_n: int | None) -> tuple[int, int, int, int]:
-    default_m, default_n, num_warps, num_stages = flash_config(q.shape[-1], q.element_size(), window)
+def _blocks(q: torch.Tensor, width: int, window: bool, block_m: int | None,
+            block_n: int | None) -> tuple[int, int, int, int]:
+    default_m, default_n, num_warps, num_stages = flash_config(width, q.element_size(), window)
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and value not in BLOCK_SIZES:
             raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value}")
@@ -285,13 +291,14 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
     window = positions is not None
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
-    B, Hq, T, D = (int(n) for n in q.shape)
-    Hkv, S = int(k.shape[1]), int(k.shape[2])
-    out = torch.empty((B, Hq, T, D), device=q.device, dtype=torch.float32)
+    B, Hq, T, DK = (int(n) for n in q.shape)
+    Hkv, S, DV = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    D = kernel_width(DK, DV)
+    out = torch.empty((B, Hq, T, DV), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
     if B * Hq * T == 0:
         return out, lse
-    BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(q, window, block_m, block_n)
+    BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(q, D, window, block_m, block_n)
     G = Hq // Hkv
     # The unused one of kv_len / positions gets the other's pointer (never read).
     meta = positions if window else kv_len
@@ -304,7 +311,7 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
         T, S, G,
         *q.stride(), *k.stride(), *v.stride(), *pos_strides, *out.stride(), *lse.stride(),
         WINDOW=window, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SCAN=scan,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DK=DK, DV=DV,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
@@ -320,11 +327,11 @@ def prefix_flash_triton(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefix_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+    """``prefix_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
-    ``block_m`` (query rows a program holds: G heads x tokens) and ``block_n`` (keys per
-    loop step), each one of ``BLOCK_SIZES``, override ``flash_config`` for tests and
-    tuning.
+    Keys ``D`` wide and values ``Dv`` wide, each at most 256, read unpadded.  ``block_m``
+    (query rows a program holds: G heads x tokens) and ``block_n`` (keys per loop step),
+    each one of ``BLOCK_SIZES``, override ``flash_config`` for tests and tuning.
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len)
     return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n)
@@ -340,9 +347,9 @@ def window_flash_triton(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``window_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,D], lse fp32 [B,Hq,T])``.
+    """``window_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
-    ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.
+    Widths, ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.
     """
     check_inputs("window", q, k_new, v_new, positions)
     return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
@@ -355,31 +362,10 @@ def kernel_width(k_width: int, v_width: int) -> int | None:
     return width if width <= 256 else None
 
 
-def at_kernel_width(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, scale: float):
-    """``kernel(q, k, v, index, scale)`` for keys and values of other widths (Phi-3's 96;
-    transformers' expanded MLA, keys 192 wide and values 128): q, k and v zero-padded
-    along the head axis to ``kernel_width``.  Zero columns add nothing to ``q . k`` (the
-    scale stays the caller's) and give zero output columns, which are cut off."""
-    width = kernel_width(k.shape[-1], v.shape[-1])
-    if width == k.shape[-1] == v.shape[-1]:
-        return kernel(q, k, v, index, scale)
-
-    def pad(x):
-        return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-    out, lse = kernel(pad(q), pad(k), pad(v), index, scale)
-    return out[..., : v.shape[-1]].contiguous(), lse
-
-
-def window_attention_any_width(q, k_new, v_new, positions, scale):
-    """``window_flash_triton`` for keys and values of any widths up to 256 (``at_kernel_width``)."""
-    return at_kernel_width(window_flash_triton, q, k_new, v_new, positions, scale)
-
-
 def _window_form(k_new, v_new):
     if kernel_width(k_new.shape[-1], v_new.shape[-1]) is None:
         return window_attention_reference
-    return window_attention_any_width
+    return window_flash_triton
 
 
 @window_attention.register_kernel("cuda")
@@ -394,4 +380,4 @@ def _window_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return window_attention_any_width(*args, **kwargs)
+        return window_flash_triton(*args, **kwargs)

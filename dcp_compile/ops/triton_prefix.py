@@ -78,7 +78,7 @@ from dcp_compile.ops.attention import (
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    at_kernel_width, cache_length, check_index, check_inputs, kernel_width, prefix_flash_triton, scan_block,
+    cache_length, check_index, check_inputs, kernel_width, prefix_flash_triton, scan_block,
     window_bounds,
 )
 
@@ -323,7 +323,7 @@ def prefix_attention_triton(
     step: 16, 32, 64 or 128) override ``split_plan`` and ``default_block_s``, for tests
     and tuning.
     """
-    check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention", any_width=True)
+    check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
     B, Hq, T, DK = (int(n) for n in q.shape)
@@ -609,13 +609,9 @@ def _kernel_for(q: torch.Tensor):
 
 
 def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale):
-    """The prefix kernel (``_kernel_for``) for keys and values of any widths up to 256:
-    the split-KV kernel (decode and verify) reads them as they are; the flash kernel
-    (prefill chunks) takes them zero-padded (``at_kernel_width``)."""
-    kernel = _kernel_for(q)
-    if kernel is prefix_attention_triton:
-        return kernel(q, k_cache, v_cache, kv_len, scale)
-    return at_kernel_width(kernel, q, k_cache, v_cache, kv_len, scale)
+    """The prefix kernel the registered op runs on CUDA (``_kernel_for``), for keys and
+    values of any widths up to 256."""
+    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale)
 
 
 def _cuda_form(q, k_cache, v_cache):

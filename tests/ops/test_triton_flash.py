@@ -73,15 +73,13 @@ def prefix_case(seed, *, t=37, hq=4, hkv=2, d=16, s=70, kv_len=(0, 70, 33), dtyp
 
 
 def window_case(seed, positions, *, hq=4, hkv=2, d=16, dtype=torch.float32, strided=False, blocks=SMALL, dv=None):
-    """``dv``: values of another width than the keys, through ``window_attention_any_width``."""
+    """``dv``: values of another width than the keys."""
     gen = torch.Generator().manual_seed(seed)
     b, t = positions.shape
     q = _randn(gen, b, t, hq, d, dtype=dtype).transpose(1, 2) if strided else _randn(gen, b, hq, t, d, dtype=dtype)
     k = _randn(gen, b, hkv, t, d, dtype=dtype, strided=strided)
     v = _randn(gen, b, hkv, t, dv or d, dtype=dtype, strided=strided)
     allowed = positions[:, None, :] <= positions[:, :, None]
-    if dv is not None:
-        return "window_attention_any_width", dict(q=q, k_new=k, v_new=v, positions=positions, scale=SCALE), allowed
     return "window_flash_triton", dict(q=q, k_new=k, v_new=v, positions=positions, scale=SCALE, **blocks), allowed
 
 
@@ -126,6 +124,12 @@ def build_cases():
         "any-width-prefix-192-128": prefix_case(35, t=2, hq=2, hkv=2, d=192, dv=128, s=40, kv_len=(40, 0, 17)),
         "any-width-window": window_case(36, ascending(t), d=24, dv=16),
         "any-width-window-bf16": window_case(37, ascending(20), d=24, dv=16, dtype=torch.bfloat16),
+        # the flash kernel's masks on the head axis: a prefill chunk at transformers' MLA widths, values
+        # wider than keys, and a window over D-major keys and values of widths under the tile's
+        "any-width-chunk-192-128-bf16": prefix_case(38, t=20, hq=2, hkv=1, d=192, dv=128, s=50, kv_len=(50, 3, 0),
+                                                    dtype=torch.bfloat16),
+        "any-width-chunk-wider-values": prefix_case(39, t=25, d=16, dv=40),
+        "any-width-window-strided": window_case(40, ascending(19), d=96, dv=72, strided=True),
     }
     return cases
 
@@ -215,16 +219,16 @@ def _prefix_args(**change):
     return {**args, **change}
 
 
-@pytest.mark.parametrize("d", [48, 8, 512])
+@pytest.mark.parametrize("d,dv", [(512, 512), (192, 320)])
 @pytest.mark.parametrize("form", ["prefix", "window"])
-def test_unsupported_head_dim_is_refused_with_the_fix(d, form):
+def test_keys_or_values_past_256_are_refused_with_the_fix(d, dv, form):
     if form == "prefix":
-        _, args, _ = prefix_case(0, t=5, d=d, kv_len=(3, 70))
+        _, args, _ = prefix_case(0, t=5, d=d, dv=dv, kv_len=(3, 70))
         call = prefix_flash_triton
     else:
-        _, args, _ = window_case(0, ascending(5, starts=(0, 3)), d=d)
+        _, args, _ = window_case(0, ascending(5, starts=(0, 3)), d=d, dv=dv)
         call = window_flash_triton
-    with pytest.raises(ValueError, match=r"power of two in \[16, 256\].*pad .* to"):
+    with pytest.raises(ValueError, match=rf"at most 256 wide, got {d} and {dv}: run the reference"):
         call(**args)
 
 
@@ -235,7 +239,8 @@ def test_unsupported_head_dim_is_refused_with_the_fix(d, form):
     (prefix_flash_triton, lambda: _prefix_args(q=torch.randn(2, 3, 5, 16)), ValueError, "Hq a multiple of Hkv"),
     (prefix_flash_triton, lambda: _prefix_args(q=torch.randn(2, 4, 5, 16, dtype=torch.float64)), TypeError,
      "one dtype among"),
-    (prefix_flash_triton, lambda: _prefix_args(v_cache=torch.randn(2, 2, 71, 16)), ValueError, "of one shape"),
+    (prefix_flash_triton, lambda: _prefix_args(v_cache=torch.randn(2, 2, 71, 16)), ValueError,
+     r"v_cache \[B,Hkv,S,Dv\]"),
     (prefix_flash_triton, lambda: _prefix_args(kv_len=torch.tensor([3, 5], device="meta")), ValueError,
      "on one device"),
     (prefix_flash_triton, lambda: _prefix_args(block_m=8), ValueError, "block_m must be one of"),
