@@ -204,8 +204,11 @@ def _flash_fwd_kernel(
     l_safe = tl.where(seen_any, l, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen_any, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log
-    tl.store(O + b * s_ob + head[:, None] * s_oh + tok[:, None] * s_ot + offs_d[None, :] * s_od, out,
-             mask=row_ok[:, None] & v_cols[None, :])
+    o_ptrs = O + b * s_ob + head[:, None] * s_oh + tok[:, None] * s_ot + offs_d[None, :] * s_od
+    if DV == D:
+        tl.store(o_ptrs, out, mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & v_cols[None, :])
     tl.store(LSE + b * s_lb + head * s_lh + tok * s_lt, lse, mask=row_ok)
 
 
