@@ -153,10 +153,11 @@ def parity(model, group: DCPGroup, prompt_len: int, steps: int, lowering: str) -
 
 @torch.no_grad()
 def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, replays: int,
-              cascade: bool = False) -> tuple[float, torch.Tensor]:
-    """Median seconds of one decode step with ``context`` tokens cached per sequence, and
-    the step's last logits (the cache holds the same random contents for a rank whatever
-    the group and arm)."""
+              cascade: bool = False) -> tuple[float, torch.Tensor, int]:
+    """Median seconds of one decode step with ``context`` tokens cached per sequence, the
+    step's last logits (the cache holds the same random contents for a rank whatever the
+    group and arm), and the prefix-attention ops the passes put in the step's graph (one a
+    rewritten attention; none where the graph compiles plainly)."""
     device, kwarg = group.device, cache_kwarg(model)
     torch._dynamo.reset()
     cache = DCPStaticCache(model.config, group, max_batch_size=batch, max_cache_len=context + 2 * replays + 8,
@@ -175,13 +176,15 @@ def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, r
         return model_c(input_ids=ids, **{kwarg: cache}).logits
 
     logits = step()[:, -1].float().clone()  # compiles; the first step on the filled cache
+    sites = sum("dcp.prefix_attention" in str(node.target)
+                for compiled in backend.compiled for node in compiled.graph_module.graph.nodes)
     if device.type != "cuda":
         times = []
         for _ in range(replays):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return statistics.median(times), logits
+        return statistics.median(times), logits, sites
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -200,7 +203,7 @@ def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, r
         times.append(begin.elapsed_time(end) / 1e3)
     del graph, cache
     torch.cuda.empty_cache()
-    return statistics.median(times), logits
+    return statistics.median(times), logits, sites
 
 
 def main() -> int:
@@ -242,19 +245,21 @@ def main() -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             if args.one_gpu:
-                cascade, cascade_logits = step_time(model, off, context, batch, args.lowering, args.replays, cascade=True)
-                plain, plain_logits = step_time(model, off, context, batch, args.lowering, args.replays)
+                cascade, cascade_logits, sites = step_time(model, off, context, batch, args.lowering, args.replays,
+                                                           cascade=True)
+                plain, plain_logits, plain_sites = step_time(model, off, context, batch, args.lowering, args.replays)
                 gap = float((cascade_logits - plain_logits).abs().max())
                 agree = float((cascade_logits.argmax(-1) == plain_logits.argmax(-1)).double().mean())
                 rows.append(dict(context=context, batch=batch, cascade_ms=round(1e3 * cascade, 3),
                                  plain_ms=round(1e3 * plain, 3), ratio=round(cascade / plain, 3),
-                                 max_logit_gap=gap, argmax_agreement=agree))
+                                 max_logit_gap=gap, argmax_agreement=agree, cascade_sites=sites,
+                                 plain_sites=plain_sites))
                 say(f"context {context:>6}  batch {batch}  cascade {1e3 * cascade:8.3f} ms  plain torch.compile "
                     f"{1e3 * plain:8.3f} ms  ratio {cascade / plain:.3f}  max |logit gap| {gap:.3g}  argmax agree "
                     f"{agree:.2f}", flush=True)
                 continue
-            dcp2, _ = step_time(model, group, context, batch, args.lowering, args.replays)
-            dcp1, _ = step_time(model, off, context, batch, args.lowering, args.replays)
+            dcp2, _, _ = step_time(model, group, context, batch, args.lowering, args.replays)
+            dcp1, _, _ = step_time(model, off, context, batch, args.lowering, args.replays)
             rows.append(dict(context=context, batch=batch, dcp2_ms=round(1e3 * dcp2, 3), dcp1_ms=round(1e3 * dcp1, 3),
                              ratio=round(dcp2 / dcp1, 3)))
             say(f"context {context:>6}  batch {batch}  DCP=2 {1e3 * dcp2:8.3f} ms  DCP=1 {1e3 * dcp1:8.3f} ms  "

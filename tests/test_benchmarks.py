@@ -153,3 +153,23 @@ def test_the_latent_kernel_benchmark_runs_under_the_interpreter(tmp_path):
     assert (window["heads"], window["t"]) == (4, 96) and set(window["arms"]) == {"in_order", "all_equal"}
     assert window["in_order_over_all_equal"] == pytest.approx(
         window["arms"]["in_order"]["ms"] / window["arms"]["all_equal"]["ms"])
+
+
+def test_the_hf_one_gpu_benchmark_runs_transformers_latent_attention_both_ways():
+    """``gpu_hf.py --one-gpu --family deepseek-v2-lite`` at its CPU size: transformers'
+    DeepSeek-V2 compiled with the cascade and plainly, on the same cache contents, gives
+    the same fp32 logits, and the report's rows and ratios are what it timed."""
+    import subprocess
+
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_hf.py"), "--small", "--one-gpu", "--family",
+                           "deepseek-v2-lite"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["family"] == "deepseek-v2-lite" and report["dcp_size"] == 1 and "parity" not in report
+    assert [(row["context"], row["batch"]) for row in report["step_time"]] == [(64, 1), (64, 2), (128, 1), (128, 2)]
+    for row in report["step_time"]:
+        assert (row["cascade_sites"], row["plain_sites"]) == (2, 0)  # both layers in the cascade, or none
+        assert row["max_logit_gap"] < 1e-4 and row["argmax_agreement"] == 1.0
+        assert row["cascade_ms"] > 0 and row["plain_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["cascade_ms"] / row["plain_ms"], abs=2e-3)
