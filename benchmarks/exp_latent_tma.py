@@ -8,7 +8,8 @@ loads.  Here each program makes descriptors over its own sequence's slots ``[0, 
 the copy engine fills shared memory, rows past ``hi`` come back as zeros (no mask, and a
 NaN left in a dead slot never reaches a product), and the loop holds no addresses.
 Descriptor boxes are at most 256 wide, so the 512-wide latent comes in two halves
-(``HALF``), or whole (``WHOLE``: one 512-wide box, if Triton splits it itself).
+(``LOADS=1``), or whole (``LOADS=2``: one 512-wide box, which Triton splits itself);
+``LOADS=0`` is the pointer form.
 
 Prints registers and spills, the error against an fp32 reference (ragged ``kv_len``,
 NaN in the dead slots, four slices merged), and median kernel times at the
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from dcp_compile.ops.triton_flash import cache_length
 from dcp_compile.ops.triton_prefix import _softmax_step, _split_range, _store_partial
-from exp_latent_variants import check_variants, latent_inputs
+from exp_latent_variants import check_variants, latent_inputs, reference
 
 C, R = 512, 64
 SCALE = 0.07
@@ -119,17 +120,6 @@ def launch(variant, q, kv, pe, kv_len, num_splits, tiles):
     return o, lse, compiled
 
 
-def reference(q, kv, pe, kv_len):
-    slots = torch.arange(kv.shape[1], device=q.device)
-    live = slots[None, :] < kv_len[:, None]
-    kv = torch.where(live[..., None], kv.float(), 0.0)
-    pe = torch.where(live[..., None], pe.float(), 0.0)
-    scores = (torch.einsum("bhc,bsc->bhs", q[..., :C].float(), kv)
-              + torch.einsum("bhr,bsr->bhs", q[..., C:].float(), pe)) * SCALE
-    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-    return torch.einsum("bhs,bsc->bhc", scores.softmax(-1), kv)
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("exp_latent_tma.py times CUDA kernels: run it on a GPU machine")
@@ -141,7 +131,7 @@ def main() -> int:
     for row, n in enumerate(kv_len.tolist()):  # dead slots hold NaN: no variant may read them into a product
         kv[row, n:] = float("nan")
         pe[row, n:] = float("nan")
-    ref = reference(q, kv, pe, kv_len)
+    ref = reference(q, kv, pe, kv_len, SCALE)
     rows = check_variants(launch, VARIANTS, TILES, (q, kv, pe, kv_len), ref)
     times: dict = {}
     for B, H, S in ((8, 128, 32768), (32, 128, 32768)):

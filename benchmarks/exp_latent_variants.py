@@ -162,12 +162,16 @@ def check_variants(launch, variants, tiles_list, inputs, ref) -> list:
     return rows
 
 
-def reference(q, kv, pe, kv_len):
-    scores = (torch.einsum("bhc,bsc->bhs", q[..., :C].float(), kv.float())
-              + torch.einsum("bhr,bsr->bhs", q[..., C:].float(), pe.float())) * 0.07
-    slots = torch.arange(kv.shape[1], device=q.device)
-    scores = scores.masked_fill(slots[None, None, :] >= kv_len[:, None, None], float("-inf"))
-    return torch.einsum("bhs,bsc->bhc", scores.softmax(-1), kv.float())
+def reference(q, kv, pe, kv_len, scale=0.07):
+    """fp32 attention over each sequence's live slots; dead slots are zeroed first, so
+    NaN left in them never reaches a product."""
+    live = torch.arange(kv.shape[1], device=q.device)[None, :] < kv_len[:, None]
+    kv = torch.where(live[..., None], kv.float(), 0.0)
+    pe = torch.where(live[..., None], pe.float(), 0.0)
+    scores = (torch.einsum("bhc,bsc->bhs", q[..., :C].float(), kv)
+              + torch.einsum("bhr,bsr->bhs", q[..., C:].float(), pe)) * scale
+    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    return torch.einsum("bhs,bsc->bhc", scores.softmax(-1), kv)
 
 
 def main() -> int:

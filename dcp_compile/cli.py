@@ -280,7 +280,6 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from dcp_compile import memory
     from dcp_compile.models.llama import llama3_8b_shape
     from dcp_compile.models import DraftConfig, eagle3_aux_layers
-    from dcp_compile.models.pretrained import pair_configs
 
     sizes = _int_list(parser, "--dcp", args.dcp)
     batches = _int_list(parser, "--batches", args.batches)
@@ -308,8 +307,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
               f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
               f"figure is the stand-in's")
     else:
-        _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
-        cfg, draft = pair_configs(args.model)
+        cfg, draft = _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
         draft = draft if args.k else None
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
                                    verify_tokens=args.k + 1 if args.k else 0)
@@ -328,13 +326,14 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
-def _check_model(parser: argparse.ArgumentParser, name: str, others: str = "") -> None:
-    """Refuse a ``--model`` that names no checkpoint (or one whose config is not a target
-    and draft) in the command's own process, before ranks are spawned or weights read."""
+def _check_model(parser: argparse.ArgumentParser, name: str, others: str = ""):
+    """The target and draft configs of ``--model``; a name that is no checkpoint (or one
+    whose config is not a target and draft) is refused in the command's own process,
+    before ranks are spawned or weights read."""
     from dcp_compile.models.pretrained import pair_configs
 
     try:
-        pair_configs(name)
+        return pair_configs(name)
     except (FileNotFoundError, ValueError) as err:
         parser.error(f"--model {name!r}: {err}{others}")
 

@@ -8,14 +8,13 @@ Each program holds one tile of query rows and walks the keys in blocks with an o
 softmax (fp32 accumulation, base-2 exponentials, fp32 natural-log ``lse`` out), so no
 ``T x S`` or ``T x T`` scores ever exist, in HBM or anywhere else.
 
-Contract, shared with the reference: ``q [B,Hq,T,D]``; keys and values ``[B,Hkv,S,D]``
-(``S = T`` in the window form); query head ``h`` reads KV head ``h // (Hq // Hkv)``;
-out fp32 ``[B,Hq,T,D]``, lse fp32 ``[B,Hq,T]``; a row that sees no key gets
-``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
-``ieee`` precision); a head dim that is a power of two in ``[16, 256]``.  The registered
-ops' CUDA forms take keys and values of any widths up to 256, the values' width apart
-from the keys': the kernels run a power-of-two tile (``kernel_width``) and mask its head
-axis past each width, so nothing is padded in memory.
+Contract, shared with the reference: ``q [B,Hq,T,D]``; keys ``[B,Hkv,S,D]`` and values
+``[B,Hkv,S,Dv]`` (``S = T`` in the window form); query head ``h`` reads KV head
+``h // (Hq // Hkv)``; out fp32 ``[B,Hq,T,Dv]``, lse fp32 ``[B,Hq,T]``; a row that sees no
+key gets ``out = 0`` and ``lse = -inf``.  Any strides; bf16, fp16 or fp32 (fp32 dots in
+``ieee`` precision); ``D`` and ``Dv`` each at most 256, neither necessarily a power of
+two: the kernels run a power-of-two tile (``kernel_width``) and mask its head axis past
+each width, so nothing is padded in memory.
 
 - **Tile.**  The ``G = Hq // Hkv`` query heads of a KV group are packed into the
   tile's rows, token-major (row ``r`` is token ``r // G`` of head ``r % G`` of the
