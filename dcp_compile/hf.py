@@ -405,6 +405,36 @@ def _refusing_unsupported_modes(generate, model):
     return checked
 
 
+def check_shardable(config) -> None:
+    """Refuse, with the reason, a model whose attention DCP does not shard here: layer
+    types other than full causal attention (sparse, linear, chunked, hybrid) and
+    sliding windows.  Reads the config only."""
+    config = _text_config(config)
+    unknown = sorted(set(_layer_types(config)) - set(_SUPPORTED_LAYERS))
+    if unknown:
+        why = "; ".join(f"{t}: {_WHY_NOT_SHARDED.get(t, 'not a full causal attention over a KV cache')}" for t in unknown)
+        raise ValueError(
+            f"{type(config).__name__} has layer types {unknown} ({why}), which DCP does not shard: it shards the "
+            f"caches of full causal attention layers"
+        )
+    _refuse_sliding(config)
+
+
+def load_causal_lm(directory, *, device, dtype: torch.dtype) -> nn.Module:
+    """A Hugging Face causal-LM directory, read by transformers from disk only (never the
+    hub), in ``dtype`` straight onto ``device`` (the safetensors are mapped, not copied
+    into host memory first), with SDPA attention, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    check_shardable(config)
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=dtype, device_map={"": device}, attn_implementation="sdpa", local_files_only=True,
+    )
+    return model.eval().requires_grad_(False)
+
+
 def _refuse_sliding(config) -> None:
     types = _layer_types(config)
     if any(t != "full_attention" for t in types):
@@ -501,6 +531,27 @@ class DCPCausalLM(nn.Module):
         """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
         return self.config.hidden_size * len(self.aux_layers)
 
+    # What an EAGLE draft reads of the target it is loaded for (``eagle.DraftHost``).
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """``(max_batch, max_seq_len)``: the rows and positions of the cache."""
+        return self.max_batch, self.max_seq_len
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
     def draft_config(self, kind: str = "eagle3", **options) -> DraftConfig:
         """A ``DraftConfig`` for an EAGLE draft of this model (its width, heads, vocabulary,
         cache size and, for EAGLE3, the features this wrapper returns); ``options`` go to
@@ -549,6 +600,6 @@ class DCPCausalLM(nn.Module):
 
 
 __all__ = [
-    "DCPCausalLM", "DCPStaticCache", "KVStore", "cache_kwarg", "compile_for_generate", "llama_config", "static_width_masks",
-    "transformers",
+    "DCPCausalLM", "DCPStaticCache", "KVStore", "cache_kwarg", "check_shardable", "compile_for_generate", "llama_config",
+    "load_causal_lm", "static_width_masks", "transformers",
 ]

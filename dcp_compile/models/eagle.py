@@ -4,9 +4,10 @@ Both keep their own KV cache, whole on every rank (``dcp.prepare(draft, group,
 role="draft", ...)``), written and read the same way as the target's, so the same
 ``find`` pass sees them and ``check_draft`` proves they were left alone.
 
-- **EAGLE**: ``fc(cat(embed(token), feature))``, where the feature is the target's final
-  hidden state (``aux_layers=(n_layers,)``), then one decoder layer, then the target's
-  LM head.
+- **EAGLE** (EAGLE-1, as published): ``fc(cat(embed(token), feature))`` with a bias,
+  where the feature is the target's final normed hidden state (``aux_layers=(n_layers,)``),
+  then one decoder layer whose attention has no input norm, then the target's LM head
+  on the un-normed output.
 - **EAGLE3**: the hidden states entering three target layers (default ``2, L//2, L-3``)
   go through ``fc: 3H -> H``; the decoder layer attends over
   ``cat(norm(embed(token)), norm(hidden))`` (2H) with the residual on the hidden part;
@@ -17,11 +18,17 @@ role="draft", ...)``), written and read the same way as the target's, so the sam
 ``forward(tokens [B, T], positions [B, T], features) -> (logits [B, T, V_target], hidden
 [B, T, H])``; ``features`` is the target's ``[B, T, k*H]`` auxiliary hidden states or
 the draft's own previous ``[B, T, H]`` output.
+
+A draft's layer may have shapes of its own (``DraftConfig.layer``: heads, head width,
+MLP width, norm eps, RoPE theta and scaling), as published drafts do;
+``EagleDraft.from_pretrained`` reads the EAGLE3 and EAGLE-1 checkpoint layouts
+(``eagle_checkpoint``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,70 +52,154 @@ def eagle3_aux_layers(n_layers: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class TargetShape:
+    """What a draft needs of its target when the target is not a ``LlamaConfig`` (a Hugging
+    Face model, an MLA target): its width, vocabulary, depth, features and cache size."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    aux_layers: tuple[int, ...]
+    """The target layers whose hidden states it returns as features (``LlamaConfig.aux_layers``)."""
+    max_batch: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
 class DraftConfig:
-    target: LlamaConfig
-    """The target the draft proposes tokens for (width, heads, vocabulary, cache size)."""
+    target: LlamaConfig | TargetShape
+    """The target the draft proposes tokens for (width, vocabulary, features, cache size;
+    and, when ``layer`` is ``None``, the draft layer's shapes)."""
     kind: str = "eagle3"
-    """``"eagle3"`` or ``"eagle"``."""
+    """``"eagle3"`` or ``"eagle"`` (EAGLE-1, whose weights EAGLE-2 shares)."""
     n_features: int | None = None
     """EAGLE3: target hidden states concatenated into ``fc``.  ``None``: as many as the
     target returns (``len(target.aux_layers)``, or 3 for a target built without them)."""
     draft_vocab_size: int | None = None
     """EAGLE3: size of the draft's own LM head; None means the target vocabulary."""
+    layer: LlamaConfig | None = None
+    """The draft's own decoder layer: width, heads, head width, MLP width, norm eps and
+    RoPE, as a published checkpoint's config.json gives them.  ``None``: the target's.
+    Its cache rows and positions are always the target's."""
+    fc_bias: bool | None = None
+    """Whether ``fc`` has a bias; ``None``: the published default of the kind (EAGLE-1
+    has one unless its config says ``"bias": false``, EAGLE3 has none)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "eagle3"):
             raise ValueError(f"kind must be 'eagle' or 'eagle3', got {self.kind!r}")
         if self.draft_vocab_size is not None and self.kind == "eagle":
             raise ValueError("a reduced draft vocabulary is an EAGLE3 feature; EAGLE uses the target's LM head")
+        if self.layer is None and isinstance(self.target, TargetShape):
+            raise ValueError("a draft for a TargetShape needs its own layer shapes: pass layer=LlamaConfig(...)")
+        if self.fc_bias is None:
+            object.__setattr__(self, "fc_bias", self.kind == "eagle")
         returned = len(self.target.aux_layers)
         if self.n_features is None:
             object.__setattr__(self, "n_features", returned or 3)
-        if self.kind == "eagle3":
-            if returned and self.n_features != returned:
+        width = self.shapes.dim
+        if self.kind == "eagle":
+            if width != self.target.dim:
                 raise ValueError(
-                    f"the EAGLE3 draft reads n_features={self.n_features} target hidden states but the target returns "
-                    f"{returned} (aux_layers={self.target.aux_layers}); leave n_features unset to follow the target"
+                    f"an EAGLE-1 draft computes its logits with the target's LM head, so its width must be the "
+                    f"target's: got a draft {width} wide for a target {self.target.dim} wide"
                 )
-            if self.n_features < 2:
-                raise ValueError(
-                    f"an EAGLE3 draft needs at least 2 target features, got {self.n_features}: with one, fc's input is "
-                    f"as wide as the draft's own hidden state, which later draft steps feed back in its place. Build "
-                    f"the target with aux_layers=eagle3_aux_layers(n_layers) (3 layers for n_layers >= 3)"
-                )
+            return
+        if returned and self.n_features != returned:
+            raise ValueError(
+                f"the EAGLE3 draft reads n_features={self.n_features} target hidden states but the target returns "
+                f"{returned} (aux_layers={self.target.aux_layers}); leave n_features unset to follow the target"
+            )
+        if self.n_features < 2:
+            raise ValueError(
+                f"an EAGLE3 draft needs at least 2 target features, got {self.n_features}: with one, fc's input is "
+                f"as wide as the draft's own hidden state, which later draft steps feed back in its place. Build "
+                f"the target with aux_layers=eagle3_aux_layers(n_layers) (3 layers for n_layers >= 3)"
+            )
+        if self.n_features * self.target.dim == width:
+            raise ValueError(
+                f"the target's {self.n_features} features ({self.n_features} x {self.target.dim}) are as wide as the "
+                f"draft's own hidden state ({width}): later draft steps, which feed that state back, could not be told "
+                f"apart from the first"
+            )
+
+    @property
+    def shapes(self) -> LlamaConfig:
+        """The draft layer's shapes, with the target's cache rows and positions."""
+        base = self.layer if self.layer is not None else self.target
+        return replace(base, n_layers=1, aux_layers=(), max_batch=self.target.max_batch,
+                       max_seq_len=self.target.max_seq_len)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the draft reads."""
+        return self.target.dim * (self.n_features if self.kind == "eagle3" else 1)
+
+
+class DraftHost(Protocol):
+    """What a draft loaded from a checkpoint reads of its target (``Llama``, the MLA target
+    and ``hf.DCPCausalLM`` all have it): shapes, features, cache size, and the token
+    embedding and LM head a checkpoint may leave out."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layers: tuple[int, ...]
+    cache_shape: tuple[int, int]
+
+    def get_input_embeddings(self) -> nn.Embedding: ...
+
+    def get_output_embeddings(self) -> nn.Linear: ...
 
 
 class EagleDraft(RopeTables):
     def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
         super().__init__()
         self.cfg = cfg
-        t = cfg.target
-        self.embed = nn.Embedding(t.vocab_size, t.dim)
+        t, layer = cfg.target, cfg.shapes
+        width = layer.dim
+        self.embed = nn.Embedding(t.vocab_size, width)
         if cfg.kind == "eagle":
-            self.fc = nn.Linear(2 * t.dim, t.dim, bias=False)
-            self.attention_norm = RMSNorm(t.dim, t.norm_eps)
-            self.attention = Attention(t, dtype)
-            self.head = nn.Linear(t.dim, t.vocab_size, bias=False)
+            # EAGLE-1: fc over cat(embedding, feature), a decoder layer with no input norm,
+            # and the target's LM head on the un-normed output.
+            self.fc = nn.Linear(width + t.dim, width, bias=cfg.fc_bias)
+            self.attention = Attention(layer, dtype)
+            self.head = nn.Linear(width, t.vocab_size, bias=False)
         else:
-            self.fc = nn.Linear(cfg.n_features * t.dim, t.dim, bias=False)
-            self.embed_norm = RMSNorm(t.dim, t.norm_eps)
-            self.hidden_norm = RMSNorm(t.dim, t.norm_eps)
-            self.attention = Attention(t, dtype, in_features=2 * t.dim)
+            self.fc = nn.Linear(cfg.n_features * t.dim, width, bias=cfg.fc_bias)
+            self.embed_norm = RMSNorm(width, layer.norm_eps)
+            self.hidden_norm = RMSNorm(width, layer.norm_eps)
+            self.attention = Attention(layer, dtype, in_features=2 * width)
             vocab = cfg.draft_vocab_size or t.vocab_size
-            self.head = nn.Linear(t.dim, vocab, bias=False)
+            self.norm = RMSNorm(width, layer.norm_eps)
+            self.head = nn.Linear(width, vocab, bias=False)
             self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))
-        self.ffn_norm = RMSNorm(t.dim, t.norm_eps)
-        self.feed_forward = FeedForward(t)
-        self.norm = RMSNorm(t.dim, t.norm_eps)
-        self._init_rope(t.head_dim, t.max_seq_len, t.rope_theta)
+        self.ffn_norm = RMSNorm(width, layer.norm_eps)
+        self.feed_forward = FeedForward(layer)
+        self._init_rope(layer.head_dim, t.max_seq_len, layer.rope_theta, layer.rope_scaling)
         self.to(device=device, dtype=dtype)
         self.attention.allocate_cache(cache_device if cache_device is not None else self.fc.weight.device)
 
-    def share_target_weights(self, target: nn.Module) -> EagleDraft:
+    @classmethod
+    def from_pretrained(cls, directory, target: DraftHost, *, dtype: torch.dtype = torch.float32,
+                        device=None) -> EagleDraft:
+        """A published EAGLE3 or EAGLE-1 draft checkpoint, for ``target``.
+
+        The layout is detected from the weight names (``midlayer.*``: EAGLE3, ``layers.0.*``:
+        EAGLE-1); shapes, RoPE (``rope_theta``, 10000 when absent, and ``rope_scaling``) and
+        the feature layers come from the draft's config.json; a missing ``embed_tokens``
+        (and EAGLE-1's LM head) is the target's.  The target must return the features the
+        draft reads: build it with ``aux_layers=eagle_checkpoint.feature_layers(directory,
+        n_layers)``.  Anything the computation here does not implement is refused by name."""
+        from dcp_compile.models.eagle_checkpoint import load_draft
+
+        return load_draft(cls, directory, target, dtype=dtype, device=device)
+
+    def share_target_weights(self, target: DraftHost) -> EagleDraft:
         """Use the target's token embedding (and, for EAGLE, its LM head), as EAGLE does."""
-        self.embed.weight = target.tok_embeddings.weight
+        self.embed.weight = target.get_input_embeddings().weight
         if self.cfg.kind == "eagle":
-            self.head.weight = target.output.weight
+            self.head.weight = target.get_output_embeddings().weight
         return self
 
     @property
@@ -118,8 +209,7 @@ class EagleDraft(RopeTables):
     @property
     def feature_width(self) -> int:
         """Width of the target features the draft reads."""
-        t = self.cfg.target
-        return t.dim * (self.cfg.n_features if self.cfg.kind == "eagle3" else 1)
+        return self.cfg.feature_width
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,15 +224,15 @@ class EagleDraft(RopeTables):
         embedded = self.embed(tokens)
         if self.cfg.kind == "eagle":
             hidden = self.fc(torch.cat([embedded, features], dim=-1))
-            return hidden, self.attention_norm(hidden)
+            return hidden, hidden
         # The target's k*H features enter through fc; the draft's own H-wide output
         # hidden state (later steps) is used as it is.
-        hidden = self.fc(features) if features.shape[-1] != self.cfg.target.dim else features
+        hidden = self.fc(features) if features.shape[-1] != self.embed.embedding_dim else features
         return hidden, torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)
 
     def _finish(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = h + self.feed_forward(self.ffn_norm(h))
-        return self.head(self.norm(h)).float(), h
+        return self.head(h if self.cfg.kind == "eagle" else self.norm(h)).float(), h
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, logits_at: torch.Tensor | None = None

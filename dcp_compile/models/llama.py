@@ -13,6 +13,7 @@ the next real token at that position overwrites.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +48,27 @@ class LlamaConfig:
     """Hidden states to return beside the logits, for EAGLE drafts: index ``i < n_layers``
     is the hidden state entering layer ``i``; ``n_layers`` is the final normed hidden
     state the LM head reads.  Empty: ``forward`` returns the logits alone."""
+    head_dim: int | None = None
+    """Width of one query/key/value head; ``None``: ``dim // n_heads``.  A published EAGLE
+    draft's config may give another (then ``n_heads * head_dim`` need not be ``dim``)."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling (Llama-3.1's ``llama3`` or ``linear``); ``None``: plain RoPE.
+    A dict in the config.json form is read into a ``RopeScaling``."""
 
     def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads or self.dim % self.n_heads:
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"need dim % n_heads == 0 (or an explicit head_dim), got dim={self.dim}, "
+                                 f"n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"need n_heads % n_kv_heads == 0 and dim % n_heads == 0, got dim={self.dim}, "
-                f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
+                f"need n_heads % n_kv_heads == 0, got dim={self.dim}, n_heads={self.n_heads}, "
+                f"n_kv_heads={self.n_kv_heads}"
             )
         if self.gqa not in GQA_FORMS:
             raise ValueError(f"gqa must be one of {GQA_FORMS}, got {self.gqa!r}")
@@ -61,9 +77,42 @@ class LlamaConfig:
                 f"aux_layers must be increasing layer indices in [0, n_layers={self.n_layers}], got {self.aux_layers}"
             )
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as Hugging Face configs give it (``rope_scaling`` or
+    ``rope_parameters``).
+
+    ``llama3`` (Llama-3.1 and its 70B EAGLE3 drafts): wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor`` keep their frequency, those
+    longer than ``... / low_freq_factor`` are slowed by ``factor``, and the band between
+    blends the two linearly in ``original / wavelength``.  ``linear``: every frequency
+    divided by ``factor`` (position interpolation)."""
+
+    rope_type: str
+    """``"llama3"`` or ``"linear"``."""
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    TYPES = ("llama3", "linear")
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in self.TYPES:
+            raise ValueError(f"RoPE scaling type {self.rope_type!r} is not implemented; implemented: {self.TYPES}")
+        if self.factor <= 0 or (self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0):
+            raise ValueError(f"RoPE scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0, got {self}")
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        wavelength = 2 * math.pi / inv_freq
+        original = self.original_max_position_embeddings
+        blend = (original / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - blend) * inv_freq / self.factor + blend * inv_freq
+        slow = torch.where(wavelength > original / self.low_freq_factor, inv_freq / self.factor, blended)
+        return torch.where(wavelength < original / self.high_freq_factor, inv_freq, slow)
 
 
 class RMSNorm(nn.Module):
@@ -77,9 +126,12 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(dim: int, max_seq_len: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[max_seq_len, dim / 2]`` for every position the cache can hold."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -88,8 +140,8 @@ class RopeTables(nn.Module):
     """Keeps the ``rope_cos``/``rope_sin`` buffers in fp32 whatever dtype the weights are
     cast to: rounding the tables to bf16 would perturb every position's rotation."""
 
-    def _init_rope(self, dim: int, max_seq_len: int, theta: float) -> None:
-        self._rope_shape = (dim, max_seq_len, theta)
+    def _init_rope(self, dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None) -> None:
+        self._rope_shape = (dim, max_seq_len, theta, scaling)
         cos, sin = rope_tables(*self._rope_shape)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -219,6 +271,31 @@ class TargetFacts:
         """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
         return self.cfg.dim * len(self.cfg.aux_layers)
 
+    # What an EAGLE draft reads of the target it is loaded for (``eagle.DraftHost``).
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.cfg.aux_layers
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """``(max_batch, max_seq_len)``: the rows and positions of the caches."""
+        return self.cfg.max_batch, self.cfg.max_seq_len
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_embeddings
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.output
+
 
 class DecoderStack(TargetFacts, RopeTables):
     """What Llama and the MLA target share: embedding, ``layers`` of ``Block``, final
@@ -232,7 +309,8 @@ class DecoderStack(TargetFacts, RopeTables):
     head over a whole long prompt would cost ``T x vocab`` fp32.  The EAGLE features
     still cover every position, since the draft's own prefill reads them all."""
 
-    def _build(self, cfg, attentions, rope_dim: int, *, dtype, device, cache_device) -> None:
+    def _build(self, cfg, attentions, rope_dim: int, *, dtype, device, cache_device,
+               rope_scaling: RopeScaling | None = None) -> None:
         """``cache_device="meta"`` defers the KV caches: ``dcp.prepare`` then allocates only
         this rank's shard (after checking that it fits), never the whole cache."""
         self.cfg = cfg
@@ -240,7 +318,7 @@ class DecoderStack(TargetFacts, RopeTables):
         self.layers = nn.ModuleList(Block(cfg, attention) for attention in attentions)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._init_rope(rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        self._init_rope(rope_dim, cfg.max_seq_len, cfg.rope_theta, rope_scaling)
         self.to(device=device, dtype=dtype)
         for layer in self.layers:
             layer.attention.allocate_cache(cache_device if cache_device is not None else self.output.weight.device)
@@ -285,7 +363,7 @@ class Llama(DecoderStack):
     def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32, device=None, cache_device=None):
         super().__init__()
         self._build(cfg, (Attention(cfg, dtype) for _ in range(cfg.n_layers)), cfg.head_dim,
-                    dtype=dtype, device=device, cache_device=cache_device)
+                    dtype=dtype, device=device, cache_device=cache_device, rope_scaling=cfg.rope_scaling)
 
 
 def take_rows(x_BTF: torch.Tensor, index_BK: torch.Tensor) -> torch.Tensor:

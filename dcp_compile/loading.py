@@ -1,0 +1,144 @@
+"""What ``--model`` and ``--draft`` name, and how each is loaded.
+
+``--model`` is one of
+
+- a shipped name (``tiny-code``) or a directory ``dcp-compile train`` wrote: a target and
+  its EAGLE3 draft in this package's own format (``config.json`` with ``target`` and
+  ``draft`` sections), read by ``models.pretrained``;
+- a Hugging Face causal-LM directory (``config.json`` with ``model_type``), loaded by
+  transformers from disk (never the hub) in the serving dtype straight onto the device,
+  and wrapped in ``hf.DCPCausalLM``.
+
+``--draft`` names an EAGLE3 or EAGLE-1 checkpoint directory in the published layouts
+(``EagleDraft.from_pretrained``); only an HF model takes one, since a pair brings its own.
+An HF model without a draft is decoded by DCP without speculation.
+
+``resolve`` reads configs only and refuses a bad combination with what it found and the
+fix, so a command can refuse before any rank starts; ``load`` builds the models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PAIR, HF = "pair", "hf"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A checked ``--model`` (and ``--draft``): what to load, nothing loaded yet."""
+
+    name: str
+    """As the user gave it (a shipped name or a path)."""
+    kind: str
+    """``"pair"`` (this package's target + draft format) or ``"hf"``."""
+    path: Path
+    """The model directory."""
+    draft: Path | None = None
+    """An HF model's draft checkpoint directory; ``None``: no speculation (a pair always
+    brings its own draft)."""
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind == PAIR or self.draft is not None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); {what}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object; {what}")
+    return value
+
+
+def resolve(model: str, draft: str | None = None) -> ModelSpec:
+    """The checked ``ModelSpec`` of ``--model`` and ``--draft``; raises ``FileNotFoundError``
+    or ``ValueError`` naming what was expected, what was found and the fix."""
+    from dcp_compile.models.pretrained import SHIPPED, pair_configs
+
+    if model in SHIPPED or (Path(model) / "config.json").is_file() and "target" in _read_json(
+            Path(model) / "config.json", "a model directory holds a config.json object"):
+        if draft is not None:
+            raise ValueError(
+                f"--draft {draft!r} was given with --model {model!r}, a target and draft pair in this package's format "
+                f"that brings its own draft; --draft goes with a Hugging Face model directory"
+            )
+        pair_configs(model)
+        return ModelSpec(model, PAIR, SHIPPED.get(model, Path(model)))
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"no model directory at {model!r}; expected a shipped name ({', '.join(SHIPPED)}), a directory written by "
+            f"`dcp-compile train`, or a Hugging Face causal-LM directory (config.json and its weights)"
+        )
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{config_path} is missing: a model directory is either a Hugging Face checkpoint (config.json with "
+            f"model_type, and its weights) or one `dcp-compile train` wrote (config.json with target and draft)"
+        )
+    config = _read_json(config_path, "a model directory holds a config.json object")
+    if "model_type" not in config:
+        raise ValueError(
+            f"{config_path} is neither format: it has no 'model_type' (a Hugging Face checkpoint) and no 'target' and "
+            f"'draft' sections (a `dcp-compile train` directory); found the keys {sorted(config)[:12]}"
+        )
+    from dcp_compile.models.eagle_checkpoint import read_config as read_draft_config, weight_files
+
+    weight_files(path, "model")
+    check_hf_config(path)
+    draft_path = None
+    if draft is not None:
+        draft_path = Path(draft)
+        read_draft_config(draft_path)
+    return ModelSpec(model, HF, path, draft_path)
+
+
+def check_hf_config(path: Path):
+    """The HF config of ``path``, refused when DCP cannot shard the family (before any
+    weight is read)."""
+    from transformers import AutoConfig
+
+    from dcp_compile import hf
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(f"transformers cannot read {path / 'config.json'}: {err}") from err
+    hf.check_shardable(config)
+    return config
+
+
+def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",
+         dtype: torch.dtype = torch.float32):
+    """``(target, draft or None)``, in eval mode, on ``device``, with caches for
+    ``max_batch`` rows of ``max_seq_len`` positions."""
+    if spec.kind == PAIR:
+        from dcp_compile.models.pretrained import load_pair
+
+        return load_pair(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+    from dcp_compile.hf import DCPCausalLM, load_causal_lm
+    from dcp_compile.models.eagle import EagleDraft
+    from dcp_compile.models.eagle_checkpoint import feature_layers
+
+    model = load_causal_lm(spec.path, device=device, dtype=dtype)
+    aux = () if spec.draft is None else feature_layers(spec.draft, model.config.get_text_config(decoder=True))
+    target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux).eval()
+    if spec.draft is None:
+        return target, None
+    return target, EagleDraft.from_pretrained(spec.draft, target, dtype=dtype, device=device).eval()
+
+
+def codec(spec: ModelSpec):
+    """The text codec of the model: bytes for a pair, the directory's tokenizer for HF."""
+    from dcp_compile import text
+
+    if spec.kind == PAIR:
+        return text.ByteCodec(eos_id=text.SHIPPED_EOS)
+    return text.HFCodec(spec.path)
