@@ -214,22 +214,25 @@ class SpecGraphs:
                  comm: str, cuda_graphs: bool):
         device = group.device
         prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
-        draft_example = (
-            torch.zeros(max_batch, 1, dtype=torch.long, device=device),
-            torch.zeros(max_batch, 1, dtype=torch.long, device=device),
-            torch.zeros(max_batch, 1, target.feature_width, device=device, dtype=draft.dtype),
-        )
-        prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
+        if draft is not None:
+            draft_example = (
+                torch.zeros(max_batch, 1, dtype=torch.long, device=device),
+                torch.zeros(max_batch, 1, dtype=torch.long, device=device),
+                torch.zeros(max_batch, 1, target.feature_width, device=device, dtype=draft.dtype),
+            )
+            prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
         # Captured steps cannot sync to check positions on the host; admission control
         # already keeps every request inside the cache.
         checked = not cuda_graphs
         self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm)
         self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm,
                                            check_positions=checked)
-        self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
         self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
         self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
-        self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
+        self.draft_backend = self.draft_forward = None
+        if draft is not None:
+            self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
+            self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         self.commit = KVCommit(target)
         # A group of size 1 verifies in place: there is nothing to commit, and a captured
         # commit would be an empty CUDA graph replayed (with its input copies) every step.
@@ -243,9 +246,9 @@ class SpecGraphs:
             from dcp_compile.runtime.cuda_graphs import GraphRunner
 
             pool = torch.cuda.graph_pool_handle()
-            self.target_verify, self.draft_step = (
-                GraphRunner(fn, pool=pool) for fn in (self.target_verify, self.draft_forward)
-            )
+            self.target_verify = GraphRunner(self.target_verify, pool=pool)
+            if self.draft_forward is not None:
+                self.draft_step = GraphRunner(self.draft_forward, pool=pool)
             if self.commit_c is not None:
                 self.commit_c = GraphRunner(self.commit_c, pool=pool)
             self.graph_runners = [r for r in (self.target_verify, self.commit_c, self.draft_step) if r is not None]
@@ -259,9 +262,9 @@ class StepState:
     """``[B]`` committed target tokens; ``current`` sits at position ``length``."""
     current: torch.Tensor
     """``[B]`` the last emitted token, not yet in the target's cache."""
-    q_logits: torch.Tensor
-    """``[B, V_draft]`` the draft's logits for the next draft token."""
-    hidden: torch.Tensor
+    q_logits: torch.Tensor | None
+    """``[B, V_draft]`` the draft's logits for the next draft token (``None``: no draft)."""
+    hidden: torch.Tensor | None
     """``[B, 1, H]`` the draft's hidden state they came with."""
     active: torch.Tensor
     """``[B]`` bool: rows still generating."""
@@ -276,8 +279,11 @@ class DeviceStep:
     Nothing here reads the device from the host, except the optional rank check."""
 
     def __init__(self, graphs: SpecGraphs, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int,
-                 chunk_size: int, check_ranks: bool, target_vocab: int, draft: SpecDraft):
+                 chunk_size: int, check_ranks: bool, target_vocab: int, draft: SpecDraft | None,
+                 target_features: bool):
         self.graphs, self.group, self.k = graphs, group, k
+        self.target_features = target_features
+        """Whether the target returns ``(logits, features)`` rather than the logits alone."""
         self.max_batch, self.max_seq_len, self.chunk_size = max_batch, max_seq_len, chunk_size
         self.check_ranks = check_ranks and group.size > 1
         self.target_vocab, self.draft = target_vocab, draft
@@ -357,11 +363,13 @@ class DeviceStep:
                 break
             last = chunk.last[:, None]
             ends = chunk.ends & admitted_t
-            logits, features = g.target_prefill(chunk.tokens, chunk.positions, last)
+            logits, features = self._target(g.target_prefill, chunk.tokens, chunk.positions, last)
             sampled = self.choose(logits[:, 0], temperature_t, sampling, noise)
             if self.check_ranks:
                 self.check_ranks_agree(0, logits[:, 0], sampled)
             current = sampled if current is None else torch.where(ends, sampled, current)
+            if self.draft is None:
+                continue
             next_tokens = chunk.next_tokens.clone()
             next_tokens[rows, chunk.last] = torch.where(ends, current, next_tokens[rows, chunk.last])
             chunk_q, chunk_hidden = g.draft_forward(next_tokens, chunk.positions, features, last)
@@ -376,12 +384,18 @@ class DeviceStep:
         state.temperature = torch.where(admitted_t, temperature_t, state.temperature)
         return state
 
+    def _target(self, graph, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = graph(*args)
+        return out if self.target_features else (out, None)
+
     def step(self, state: StepState, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft, verify, accept, commit and draft-extend once.  Returns ``(new_tokens [B,
         k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``.
         ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``."""
         g, k, rows, steps = self.graphs, self.k, self.rows, self.steps
         self.verify_steps += 1
+        if self.draft is None:
+            return self._plain_step(state, noise)
         q_logits, hidden = state.q_logits, state.hidden
         drafts, draft_probs = [], []
         for j in range(k):
@@ -410,6 +424,17 @@ class DeviceStep:
         state.q_logits, state.hidden = extend_logits[:, 0], extend_hidden
         return new_tokens, accepted, bonus
 
+    def _plain_step(self, state: StepState, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """No draft: the target decodes ``current`` at ``length`` and chooses the next token."""
+        logits, _ = self._target(self.graphs.target_verify, state.current[:, None], state.length[:, None])
+        bonus = self.choose(logits[:, 0], state.temperature, state.sampling, noise)
+        accepted = torch.zeros_like(bonus)
+        if self.check_ranks:
+            self.check_ranks_agree(self.verify_steps, logits, bonus)
+        if self.graphs.commit_c is not None:
+            self.graphs.commit_c(state.length, torch.where(state.active, 1, 0))
+        return bonus[:, None], accepted, bonus
+
     def advance(self, state: StepState, accepted: torch.Tensor, bonus: torch.Tensor, live: list[bool]) -> None:
         """Move the rows the host still serves past the step's tokens.  A row that
         finished stays where it was: its later (ignored) verify windows must not run past
@@ -423,7 +448,9 @@ class SpecDecoder:
     """EAGLE / EAGLE3 chain speculative decoding over a DCP group.
 
     ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
-    ``draft``: a ``SpecDraft`` built for it (``EagleDraft``).
+    ``draft``: a ``SpecDraft`` built for it (``EagleDraft``), or ``None`` with ``k=0``: DCP
+    decoding without speculation, one token per step through the same engine (the
+    target needs no features then).
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
     ``dcp.backend``).  ``cuda_graphs``: capture the per-step calls (verify, commit, draft
     extend and step) in CUDA graphs once per shape and replay them.  ``check_ranks``: after
@@ -457,7 +484,10 @@ class SpecDecoder:
     ):
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
-        if not isinstance(k, int) or k < 1:
+        if draft is None:
+            if k != 0:
+                raise ValueError(f"k={k!r} draft tokens per step need a draft; without one (draft=None) pass k=0")
+        elif not isinstance(k, int) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
         if topk != 1:
             raise ValueError(
@@ -466,19 +496,8 @@ class SpecDecoder:
             )
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if draft.target_vocab_size != target.vocab_size:
-            raise ValueError(
-                f"the draft was built for a target vocabulary of {draft.target_vocab_size} tokens but the target "
-                f"has {target.vocab_size}, and no draft-to-target map covers the difference; build the draft with "
-                f"DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM (an EAGLE3 draft vocabulary maps to target ids through d2t)"
-            )
-        if not target.feature_width:
-            raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...), or DCPCausalLM(..., aux_layers=...)")
-        if draft.feature_width != target.feature_width:
-            raise ValueError(
-                f"the draft reads target features {draft.feature_width} wide but the target returns "
-                f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM"
-            )
+        if draft is not None:
+            self._check_pair(target, draft)
         if cuda_graphs and group.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
         # Every argument is checked above: nothing below may fail on one, since prepare
@@ -496,7 +515,24 @@ class SpecDecoder:
         self.graph_runners = graphs.graph_runners
         self.device_step = DeviceStep(graphs, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                                       chunk_size=chunk_size, check_ranks=check_ranks,
-                                      target_vocab=target.vocab_size, draft=draft)
+                                      target_vocab=target.vocab_size, draft=draft,
+                                      target_features=target.feature_width > 0)
+
+    @staticmethod
+    def _check_pair(target, draft) -> None:
+        if draft.target_vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft was built for a target vocabulary of {draft.target_vocab_size} tokens but the target "
+                f"has {target.vocab_size}, and no draft-to-target map covers the difference; build the draft with "
+                f"DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM (an EAGLE3 draft vocabulary maps to target ids through d2t)"
+            )
+        if not target.feature_width:
+            raise ValueError("the target must return EAGLE features: build it with LlamaConfig(aux_layers=...), or DCPCausalLM(..., aux_layers=...)")
+        if draft.feature_width != target.feature_width:
+            raise ValueError(
+                f"the draft reads target features {draft.feature_width} wide but the target returns "
+                f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM"
+            )
 
     @torch.no_grad()
     def generate(

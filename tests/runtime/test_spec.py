@@ -161,3 +161,32 @@ def test_a_draft_for_other_features_is_refused():
     eagle = EagleDraft(DraftConfig(cfg, "eagle"))  # reads the final hidden state alone
     with pytest.raises(ValueError, match=r"reads target features 64 wide but the target returns 192"):
         SpecDecoder(make_model(cfg), eagle, dcp.init_group("cpu"), k=2, max_batch=3, max_seq_len=64)
+
+
+def test_without_a_draft_the_decoder_emits_the_targets_greedy_tokens():
+    """``draft=None, k=0``: one token per step, the target's argmax, prompts of several
+    widths in one batch (prefill chunks narrower than the longest prompt)."""
+    cfg = LlamaConfig(vocab_size=64, n_layers=2, max_seq_len=48, max_batch=3)
+    target = make_model(cfg, 3)
+    reference = make_model(cfg, 3)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 2)]
+    new = 9
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            tokens = list(prompt)
+            for _ in range(new):
+                tokens.append(int(reference.forward_uncached(torch.tensor([tokens]))[0, -1].argmax()))
+            expected.append(tokens[len(prompt):])
+    plain = SpecDecoder(target, None, dcp.init_group("cpu"), k=0, max_batch=3, max_seq_len=48, lowering="aot_eager",
+                        chunk_size=4)
+    outputs = plain.generate(prompts, new)
+    assert [o.tokens for o in outputs] == expected
+    assert all(o.accepted == [0] * (new - 1) and o.finished_by == "length" for o in outputs)
+    assert plain.draft_backend is None and len(plain.target_backend.compiled) == 1
+
+
+def test_draft_tokens_without_a_draft_are_refused():
+    with pytest.raises(ValueError, match="k=2 draft tokens per step need a draft; without one"):
+        SpecDecoder(make_model(LlamaConfig()), None, dcp.init_group("cpu"), k=2, max_batch=3, max_seq_len=64)
