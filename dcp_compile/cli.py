@@ -5,6 +5,8 @@
     dcp-compile train --device cuda --out runs/tiny-code --measure-acceptance
     dcp-compile eval --model tiny-code     # accept length on held-out files
     dcp-compile gate --dcp 2               # the correctness gate on held-out prompts
+    dcp-compile serve --model HF_DIR --draft EAGLE3_DIR   # a Hugging Face model and its published draft
+    dcp-compile export --model tiny-code --out DIR        # the shipped pair in the published formats
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ DEMO_PROMPTS = (
     'import os\n\n\ndef list_python_files(root):\n    """',
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
 )
-DEMO_EOS = 0  # the document separator the shipped model was trained with
+
+MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, or a Hugging Face causal-LM directory "
+              "(read from disk, never the hub)")
+DRAFT_HELP = ("an EAGLE3 or EAGLE-1 draft checkpoint directory in the published layouts, for a Hugging Face --model; "
+              "without one, that model decodes one token per step")
 
 
-def _text(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+def _text(codec, tokens) -> str:
+    decoder = codec.decoder()
+    return decoder.push([int(t) for t in tokens]) + decoder.finish()
 
 
 def _device(name: str) -> torch.device:
@@ -42,14 +49,15 @@ def _compile_progress(decoder, label: str, enabled: bool):
 
     from tqdm.auto import tqdm
 
-    backends = (decoder.target_backend, decoder.verify_backend, decoder.draft_backend)
+    backends = [b for b in (decoder.target_backend, decoder.verify_backend, decoder.draft_backend) if b is not None]
     # prefill, verify, and the draft's prefill, extend and step graphs
-    bar = tqdm(total=5, desc=label, unit="graph", disable=not enabled, leave=True, dynamic_ncols=True)
+    total = 5 if decoder.draft is not None else 2
+    bar = tqdm(total=total, desc=label, unit="graph", disable=not enabled, leave=True, dynamic_ncols=True)
     done = threading.Event()
 
     def poll():
         while not done.wait(0.25):
-            seen = min(5, sum(len(b.compiled) for b in backends))
+            seen = min(total, sum(len(b.compiled) for b in backends))
             if seen != bar.n:
                 bar.update(seen - bar.n)
 
@@ -59,7 +67,7 @@ def _compile_progress(decoder, label: str, enabled: bool):
     def close():
         done.set()
         thread.join()
-        bar.update(min(5, sum(len(b.compiled) for b in backends)) - bar.n)
+        bar.update(min(total, sum(len(b.compiled) for b in backends)) - bar.n)
         bar.close()
 
     return close
@@ -71,22 +79,44 @@ def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _draft_tokens(args) -> int:
+    """Draft tokens per step: ``--k``, or 0 for a model served without a draft."""
+    return args.k if args.spec.speculative else 0
+
+
+def _decoder(args, group, *, max_batch: int, max_seq_len: int):
+    """The models of ``--model`` / ``--draft`` on this rank, in a ``SpecDecoder``."""
+    import dcp_compile as dcp
+    from dcp_compile import loading
+
+    target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
+                                 dtype=_dtype(args, group.device))
+    return dcp.SpecDecoder(target, draft, group, k=_draft_tokens(args), max_batch=max_batch, max_seq_len=max_seq_len,
+                           temperature=args.temperature, seed=args.seed, lowering=args.lowering,
+                           chunk_size=min(args.chunk_size, max_seq_len))
+
+
+def _describe(spec) -> str:
+    if spec.kind == "pair":
+        return f"model {spec.name!r} (target + EAGLE3 draft)"
+    from dcp_compile.models.eagle_checkpoint import inspect
+
+    if spec.draft is None:
+        return f"Hugging Face model {str(spec.path)!r}, no draft (one token per step)"
+    return f"Hugging Face model {str(spec.path)!r} + {inspect(spec.draft).kind.upper()} draft {str(spec.draft)!r}"
+
+
 def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     """Load, compile (warm-up call) and time one arm; returns its outputs and numbers."""
-    import dcp_compile as dcp
-    from dcp_compile.models.pretrained import load_pair
-
     device = group.device
-    dtype = _dtype(args, device)
-    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 1
-    target, draft = load_pair(args.model, max_batch=len(prompts), max_seq_len=max_seq_len, device=device, dtype=dtype)
-    decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=len(prompts), max_seq_len=max_seq_len,
-                              temperature=args.temperature, seed=args.seed, lowering=args.lowering,
-                              chunk_size=min(args.chunk_size, max_seq_len))
+    k = _draft_tokens(args)
+    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + k + 1
+    decoder = _decoder(args, group, max_batch=len(prompts), max_seq_len=max_seq_len)
+    stops = args.codec.eos_ids
     close = _compile_progress(decoder, f"  {name}: compiling", talk)
     start = time.perf_counter()
     try:
-        decoder.generate(prompts, args.k + 2, eos_id=DEMO_EOS)
+        decoder.generate(prompts, k + 2, stop_ids=stops)
     finally:
         close()
     compile_s = time.perf_counter() - start
@@ -95,7 +125,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    outputs = decoder.generate(prompts, args.max_new_tokens, eos_id=DEMO_EOS, on_tokens=stream)
+    outputs = decoder.generate(prompts, args.max_new_tokens, stop_ids=stops, on_tokens=stream)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -110,46 +140,54 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
 def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     import dcp_compile as dcp
 
+    from dcp_compile import loading
+
     device = _device(args.device)
     group = dcp.init_group(device)
     talk = group.rank == 0 and not args.json
-    prompts = [list(p.encode()) for p in (args.prompt or DEMO_PROMPTS)]
+    args.codec = codec = loading.codec(args.spec)
+    texts = args.prompt or DEMO_PROMPTS
+    prompts = [codec.encode(p) for p in texts]
+    k = _draft_tokens(args)
     if talk:
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-        print(f"dcp-compile demo: model {args.model!r} (target + EAGLE3 draft), chain k={args.k}, {sampling}, "
-              f"{len(prompts)} prompts x {args.max_new_tokens} new bytes, lowering {args.lowering}\n"
+        chain = f"chain k={k}" if k else "no speculation"
+        print(f"dcp-compile demo: {_describe(args.spec)}, {chain}, {sampling}, "
+              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, lowering {args.lowering}\n"
               f"DCP arm: group of {group.size} ({group.backend or 'single process'}, {device.type}); "
               f"off arm: plain torch.compile on one rank", flush=True)
+    streamed = codec.decoder(prompts[0])
 
     def stream(request: int, new_tokens: list[int]) -> None:
         if talk and request == 0:
-            print(_text(new_tokens), end="", flush=True)
+            print(streamed.push(new_tokens), end="", flush=True)
 
-    header = f"--- prompt 0, streamed from the DCP arm ---\n{_text(prompts[0])}"
+    header = f"--- prompt 0, streamed from the DCP arm ---\n{texts[0]}"
     dcp_arm = _run_arm(f"DCP arm, size {group.size}", group, args, prompts, talk, stream, header)
     if group.rank != 0:
         return None
     if talk:
-        print("\n--- end of stream ---")
+        print(streamed.finish() + "\n--- end of stream ---")
     off_arm = _run_arm("off arm, size 1", dcp.DCPGroup(1, 0, device, None), args, prompts, talk)
     dcp_out, off_out = dcp_arm["outputs"], off_arm["outputs"]
     tokens_identical = all(a.tokens == b.tokens for a, b in zip(dcp_out, off_out))
     accepts_identical = all(a.accepted == b.accepted for a, b in zip(dcp_out, off_out))
     verdict = gate.evaluate([o.tokens for o in dcp_out], [o.accepted for o in dcp_out], [o.tokens for o in off_out],
-                            [o.accepted for o in off_out], k=args.k, dtype=str(_dtype(args, device)).split(".")[-1])
+                            [o.accepted for o in off_out], k=k, dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        for i, (prompt, out) in enumerate(zip(prompts[1:], dcp_out[1:]), start=1):
-            print(f"\n--- prompt {i} ---\n{_text(prompt)}{_text(out.tokens)}")
+        for i, (prompt, out) in enumerate(zip(texts[1:], dcp_out[1:]), start=1):
+            print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
         for label, arm in ((f"DCP arm (size {group.size})", dcp_arm), ("off arm (size 1)", off_arm)):
+            accept = f"mean accept length {arm['accept_len']:.2f} at k={k}" if k else "one token per step"
             print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
-                  f"mean accept length {arm['accept_len']:.2f} at k={args.k} (compile {arm['compile_s']:.1f}s)")
+                  f"{accept} (compile {arm['compile_s']:.1f}s)")
         print(f"{'parity':>18}: tokens identical = {tokens_identical}, accept counts identical = {accepts_identical}")
         print(f"{'gate':>18}: {verdict.describe()}")
         if device.type == "cpu":
             print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
     return dict(
-        dcp_size=group.size, k=args.k, temperature=args.temperature, model=args.model,
+        dcp_size=group.size, k=k, temperature=args.temperature, model=args.model, draft=args.draft,
         tokens_identical=tokens_identical, accept_counts_identical=accepts_identical,
         accept_len=dict(dcp=dcp_arm["accept_len"], off=off_arm["accept_len"]),
         tokens_per_s=dict(dcp=dcp_arm["tokens_per_s"], off=off_arm["tokens_per_s"]),
@@ -177,18 +215,11 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]:
-    import dcp_compile as dcp
-    from dcp_compile.models.pretrained import load_pair
     from tqdm.auto import tqdm
 
-    device = group.device
-    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 1
+    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + _draft_tokens(args) + 1
     batch = min(args.batch, len(prompts))
-    target, draft = load_pair(args.model, max_batch=batch, max_seq_len=max_seq_len, device=device,
-                              dtype=_dtype(args, device))
-    decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=batch, max_seq_len=max_seq_len,
-                              temperature=args.temperature, seed=args.seed, lowering=args.lowering,
-                              chunk_size=min(args.chunk_size, max_seq_len))
+    decoder = _decoder(args, group, max_batch=batch, max_seq_len=max_seq_len)
     tokens, accepted = [], []
     for start in tqdm(range(0, len(prompts), batch), desc=label, unit="batch", disable=not talk, leave=False):
         for out in decoder.generate(prompts[start : start + batch], args.max_new_tokens):
@@ -199,25 +230,27 @@ def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]
 
 def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     import dcp_compile as dcp
-    from dcp_compile import training
+    from dcp_compile import loading, training
 
     device = _device(args.device)
     group = dcp.init_group(device)
     talk = group.rank == 0 and not args.json
-    prompts = training.held_out_prompts(args.prompts, args.prompt_bytes, seed=args.seed)
+    codec = None if args.spec.kind == "pair" else loading.codec(args.spec)
+    prompts = training.held_out_prompts(args.prompts, args.prompt_bytes, seed=args.seed, codec=codec)
     dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, size {group.size}")
     if group.rank != 0:
         return None
     off_tokens, off_accepted = _gate_arm(dcp.DCPGroup(1, 0, device, None), args, prompts, talk, "off arm")
-    verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=args.k,
+    k = _draft_tokens(args)
+    verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=k,
                             dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        print(f"DCP size {group.size} against the off arm, {args.model!r}, k={args.k}, temperature "
+        print(f"DCP size {group.size} against the off arm, {_describe(args.spec)}, k={k}, temperature "
               f"{args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
         print(f"accept-count histogram, DCP: {verdict.histogram_dcp}; off: {verdict.histogram_off}")
         print(verdict.describe())
-    return dict(verdict.as_dict(), dcp_size=group.size, k=args.k, temperature=args.temperature, model=args.model,
-                prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    return dict(verdict.as_dict(), dcp_size=group.size, k=k, temperature=args.temperature, model=args.model,
+                draft=args.draft, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
 
 
 def gate_command(args: argparse.Namespace) -> int:
@@ -255,11 +288,22 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from dcp_compile.export import export_pair
+
+    try:
+        written = export_pair(args.model, args.out, progress=True)
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        parser.error(f"export --model {args.model!r} --out {args.out!r}: {err}")
+    print(json.dumps(written, default=str))
+    return 0
+
+
 def eval_command(args: argparse.Namespace) -> int:
     from dcp_compile import training
 
     result = training.measure_acceptance(
-        args.model, device=args.device, k=args.k, n_prompts=args.prompts, new_tokens=args.max_new_tokens,
+        args.spec, device=args.device, k=args.k, n_prompts=args.prompts, new_tokens=args.max_new_tokens,
         lowering=args.lowering,
     )
     print(json.dumps(result))
@@ -327,15 +371,32 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 
 def _check_model(parser: argparse.ArgumentParser, name: str, others: str = ""):
-    """The target and draft configs of ``--model``; a name that is no checkpoint (or one
-    whose config is not a target and draft) is refused in the command's own process,
-    before ranks are spawned or weights read."""
+    """The target and draft configs of ``--model`` for ``plan``; a name that is no
+    checkpoint (or one whose config is not a target and draft) is refused in the
+    command's own process."""
     from dcp_compile.models.pretrained import pair_configs
 
     try:
         return pair_configs(name)
     except (FileNotFoundError, ValueError) as err:
-        parser.error(f"--model {name!r}: {err}{others}")
+        parser.error(f"--model {name!r}: {err}{others}; `plan` reads this package's own pairs and the named shapes")
+
+
+def _resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``--model`` and ``--draft`` checked in the command's own process, before ranks are
+    spawned or weights read: a directory of neither format, a missing weight file, a
+    draft for another width or vocabulary, an extension or RoPE type not implemented
+    here and a model family DCP does not shard are usage errors (exit 2)."""
+    from dcp_compile import loading
+
+    try:
+        spec = loading.resolve(args.model, args.draft)
+        if spec.draft is not None:
+            loading.check_pair(spec)
+    except (FileNotFoundError, ValueError) as err:
+        flags = f"--model {args.model!r}" + (f" --draft {args.draft!r}" if args.draft else "")
+        parser.error(f"{flags}: {err}")
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"prompt tokens per prefill step (default {DEFAULT_CHUNK_SIZE}; capped at the cache)")
     d.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: three code prompts")
-    d.add_argument("--model", default="tiny-code", help="shipped model name or a directory from `dcp-compile train`")
+    d.add_argument("--model", default="tiny-code", help=MODEL_HELP)
+    d.add_argument("--draft", help=DRAFT_HELP)
     d.add_argument(
         "--lowering", choices=("inductor", "aot_eager"),
         help="after the DCP passes: inductor (Triton on CUDA, C++ on CPU) or aot_eager (no codegen); default inductor "
@@ -371,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
-    g.add_argument("--model", default="tiny-code")
+    g.add_argument("--model", default="tiny-code", help=MODEL_HELP)
+    g.add_argument("--draft", help=DRAFT_HELP)
     g.add_argument("--lowering", choices=("inductor", "aot_eager"))
     g.add_argument("--json", action="store_true", help="print one JSON line and nothing else")
     t = sub.add_parser("train", help="train the byte-level target and its EAGLE3 draft on the Python standard library")
@@ -383,13 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--batch", type=int)
     t.add_argument("--measure-acceptance", action="store_true", help="then measure the accept length on held-out files")
     e = sub.add_parser("eval", help="mean accept length of a checkpoint's draft on held-out standard-library files")
-    e.add_argument("--model", default="tiny-code", help="shipped name or checkpoint directory")
+    e.add_argument("--model", default="tiny-code", help=MODEL_HELP)
+    e.add_argument("--draft", help=DRAFT_HELP)
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
-    s = sub.add_parser("serve", help="an OpenAI-compatible completions server (POST /v1/completions, streaming)")
+    x = sub.add_parser("export", help="write a pair in the published formats: the target as a transformers "
+                                      "LlamaForCausalLM directory (with its tokenizer), the draft as an EAGLE3 checkpoint")
+    x.add_argument("--model", default="tiny-code", help="a shipped name or a `dcp-compile train` directory")
+    x.add_argument("--out", required=True, help="directory to write (target/ and draft/ go inside); must be empty")
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat completions, models; streaming)")
     from dcp_compile import serve as serving
 
     serving.add_arguments(s)
@@ -407,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device here; run on a GPU machine, "
                      f"or pass --device cpu")
     if args.command in ("demo", "gate", "eval", "serve"):
-        _check_model(parser, args.model)
+        args.spec = _resolve_model(parser, args)
+    if args.command == "export":
+        return export_command(parser, args)
     if args.command == "plan":
         return plan_command(parser, args)
     if args.command == "serve":
@@ -416,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return train_command(args)
     if args.command == "eval":
+        if not args.spec.speculative:
+            parser.error(f"eval measures a draft's accept length: --model {args.model!r} needs --draft DIR")
         return eval_command(args)
     if args.command == "gate":
         if min(args.dcp, args.k, args.prompts, args.prompt_bytes, args.batch, args.max_new_tokens, args.chunk_size) < 1:

@@ -429,8 +429,12 @@ def load_causal_lm(directory, *, device, dtype: torch.dtype) -> nn.Module:
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     check_shardable(config)
     device = torch.device(device)
+    # On a GPU, a device map (through accelerate, in the hf extra) puts each tensor on the
+    # device as it is read, so host memory never holds the model; on the CPU the model is
+    # the one copy.
+    placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     model = AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=dtype, device_map={"": device}, attn_implementation="sdpa", local_files_only=True,
+        str(directory), dtype=dtype, attn_implementation="sdpa", local_files_only=True, **placement,
     )
     return model.eval().requires_grad_(False)
 

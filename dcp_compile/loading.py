@@ -115,6 +115,28 @@ def check_hf_config(path: Path):
     return config
 
 
+@dataclass(frozen=True)
+class _ConfiguredTarget:
+    """An HF target's shapes from its config alone (an ``eagle.DraftHost`` without weights)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layers: tuple[int, ...]
+    cache_shape: tuple[int, int] = (1, 1)
+
+
+def check_pair(spec: ModelSpec) -> None:
+    """Refuse a draft that cannot serve the model (another width, vocabulary or depth, an
+    extension not computed here), from the configs and weight shapes alone."""
+    from dcp_compile.models.eagle_checkpoint import check, feature_layers
+
+    config = check_hf_config(spec.path).get_text_config(decoder=True)
+    layers = config.num_hidden_layers
+    check(spec.draft, _ConfiguredTarget(config.vocab_size, config.hidden_size, layers,
+                                        feature_layers(spec.draft, layers)))
+
+
 def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",
          dtype: torch.dtype = torch.float32):
     """``(target, draft or None)``, in eval mode, on ``device``, with caches for

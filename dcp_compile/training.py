@@ -276,8 +276,12 @@ def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool =
     return record
 
 
-def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None = None) -> list[list[int]]:
-    """``n`` prompts of ``prompt_bytes`` bytes, each ending at a line end, from held-out files."""
+def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None = None,
+                     codec=None) -> list[list[int]]:
+    """``n`` prompts of ``prompt_bytes`` bytes, each ending at a line end, from held-out files.
+
+    ``codec`` (``text.Codec``): the prompts as that tokenizer's ids of the same text (a
+    slice that starts inside a character starts with U+FFFD); ``None``: the bytes."""
     gen = torch.Generator().manual_seed(seed)
     files = [p.read_bytes() for p in corpus_files("held_out", root)]
     files = [f for f in files if len(f) > 4 * prompt_bytes]
@@ -288,24 +292,31 @@ def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None
         end = text.rfind(b"\n", prompt_bytes, end + 1) + 1
         if end > prompt_bytes:
             prompts.append(list(text[end - prompt_bytes : end]))
+    if codec is not None:
+        return [codec.encode(bytes(p).decode("utf-8", errors="replace")) for p in prompts]
     return prompts
 
 
 def measure_acceptance(
-    name_or_path, *, device="cpu", k: int = 4, n_prompts: int = 32, prompt_bytes: int = 192, new_tokens: int = 128,
+    model, *, device="cpu", k: int = 4, n_prompts: int = 32, prompt_bytes: int = 192, new_tokens: int = 128,
     batch: int = 16, lowering: str = "aot_eager",
 ) -> dict:
-    """Greedy EAGLE3 decoding of held-out prompts on one rank: mean accept length at ``k``."""
-    import dcp_compile as dcp
-    from dcp_compile.models.pretrained import load_pair
+    """Greedy EAGLE decoding of held-out prompts on one rank: mean accept length at ``k``.
 
+    ``model``: a shipped name or checkpoint directory, or a ``loading.ModelSpec`` (a
+    Hugging Face model with its draft: the prompts are the same text through its
+    tokenizer)."""
+    import dcp_compile as dcp
+    from dcp_compile import loading
+
+    spec = model if isinstance(model, loading.ModelSpec) else loading.resolve(str(model))
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    max_seq_len = prompt_bytes + new_tokens + k + 1
-    target, draft = load_pair(name_or_path, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+    prompts = held_out_prompts(n_prompts, prompt_bytes, codec=None if spec.kind == loading.PAIR else loading.codec(spec))
+    max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
+    target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
     group = dcp.DCPGroup(1, 0, device, None)
     decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=batch, max_seq_len=max_seq_len, lowering=lowering)
-    prompts = held_out_prompts(n_prompts, prompt_bytes)
     accepted = []
     for start in range(0, n_prompts, batch):
         for out in decoder.generate(prompts[start : start + batch], new_tokens):

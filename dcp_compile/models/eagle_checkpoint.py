@@ -335,66 +335,122 @@ def draft_config(ckpt: DraftCheckpoint, target, state_shapes: dict[str, tuple[in
     return cfg
 
 
-def load_draft(cls, directory, target, *, dtype: torch.dtype, device):
-    """``EagleDraft.from_pretrained``: see there."""
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        else:
+            shapes.update({k: tuple(v.shape) for k, v in torch.load(path, map_location="meta",
+                                                                      weights_only=True).items()})
+    return shapes
+
+
+def _read_d2t(files: list[Path]) -> torch.Tensor | None:
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if _strip_prefix(key) == "d2t":
+                        return f.get_tensor(key)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for key, value in state.items():
+                if _strip_prefix(key) == "d2t":
+                    return value
+    return None
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A checkpoint checked against a target from its config and weight shapes alone."""
+
+    ckpt: DraftCheckpoint
+    cfg: object
+    """The ``DraftConfig``."""
+    names: dict[str, str]
+    """Published weight names -> ``EagleDraft``'s."""
+    shared: tuple[str, ...]
+    """``EagleDraft`` parameters that are the target's (``embed.weight``, EAGLE-1's ``head.weight``)."""
+
+
+def check(directory, target) -> DraftPlan:
+    """Every check ``from_pretrained`` makes, from the configs and the weight shapes (and
+    the small ``d2t``), without reading the weights: so that a command refuses a draft
+    for another target before any rank starts.  ``target`` is a ``DraftHost`` or anything
+    with its shape attributes."""
+    from dcp_compile.models.eagle import EagleDraft
+
     ckpt = inspect(directory)
     names = _EAGLE3_NAMES if ckpt.kind == EAGLE3 else _EAGLE1_NAMES
-    raw = _read_weights(weight_files(ckpt.directory))
-    state = {names[_strip_prefix(k)]: v for k, v in raw.items() if _strip_prefix(k) not in _IGNORED}
-    if "fc.weight" not in state:
+    files = weight_files(ckpt.directory)
+    shapes = {names[_strip_prefix(k)]: v for k, v in _weight_shapes(files).items() if _strip_prefix(k) not in _IGNORED}
+    published = {v: k for k, v in names.items()}
+    if "fc.weight" not in shapes:
         raise ValueError(f"the {ckpt.kind.upper()} draft in {ckpt.directory} lacks fc.weight")
-    device = torch.device(device if device is not None else "cpu")
-    cfg = draft_config(ckpt, target, {k: tuple(v.shape) for k, v in state.items()})
-    layer = cfg.shapes
-    for name, heads in (("attention.wq.weight", layer.n_heads), ("attention.wk.weight", layer.n_kv_heads)):
-        if name in state:
-            state[name] = rotate_half_to_interleaved(state[name], heads)
-    if ckpt.kind == EAGLE3 and "d2t" not in state and cfg.draft_vocab_size is not None:
+    cfg = draft_config(ckpt, target, shapes)
+    if ckpt.kind == EAGLE3 and "d2t" not in shapes and cfg.draft_vocab_size is not None:
         raise ValueError(
             f"the EAGLE3 draft in {ckpt.directory} has a vocabulary of {cfg.draft_vocab_size} tokens but no d2t map "
             f"to the target's {cfg.target.vocab_size}"
         )
-    if "d2t" in state:
-        target_ids = torch.arange(len(state["d2t"])) + state["d2t"].long()
-        outside = ((target_ids < 0) | (target_ids >= cfg.target.vocab_size)).sum().item()
+    if "d2t" in shapes:
+        d2t = _read_d2t(files)
+        target_ids = torch.arange(len(d2t)) + d2t.long()
+        outside = int(((target_ids < 0) | (target_ids >= cfg.target.vocab_size)).sum())
         if outside:
             raise ValueError(
                 f"the draft's d2t in {ckpt.directory} maps {outside} of its {len(target_ids)} tokens outside the "
                 f"target vocabulary [0, {cfg.target.vocab_size}) (largest id {int(target_ids.max())}): the draft was "
                 f"trained for another tokenizer"
             )
-        state["d2t"] = state["d2t"].long()
+    shared = tuple(n for n in ("embed.weight", "head.weight") if n not in shapes and (n == "embed.weight" or
+                                                                                        ckpt.kind == EAGLE1))
+    wanted = {k: tuple(v.shape) for k, v in EagleDraft(cfg, device="meta", cache_device="meta").state_dict().items()}
+    if "embed.weight" in shared and wanted["embed.weight"] != (target.vocab_size, target.hidden_size):
+        raise ValueError(
+            f"the draft in {ckpt.directory} has no embed_tokens and so takes the target's, which is "
+            f"{(target.vocab_size, target.hidden_size)}, but the draft is {wanted['embed.weight'][1]} wide"
+        )
+    missing = sorted(set(wanted) - set(shapes) - set(shared) - {"d2t"})
+    if missing:
+        raise ValueError(
+            f"the {ckpt.kind.upper()} draft in {ckpt.directory} lacks {[published.get(m, m) for m in missing]}"
+            + (" (its config.json says fc has a bias, as EAGLE-1's does unless \"bias\": false)"
+               if missing == ["fc.bias"] else "")
+        )
+    for name, shape in shapes.items():
+        if shape != wanted[name]:
+            raise ValueError(
+                f"the draft's {published.get(name, name)} in {ckpt.directory} is {shape}, but its config.json gives "
+                f"{wanted[name]}"
+            )
+    return DraftPlan(ckpt, cfg, names, shared)
+
+
+def load_draft(cls, directory, target, *, dtype: torch.dtype, device):
+    """``EagleDraft.from_pretrained``: see there."""
+    plan = check(directory, target)
+    ckpt, cfg = plan.ckpt, plan.cfg
+    device = torch.device(device if device is not None else "cpu")
+    raw = _read_weights(weight_files(ckpt.directory))
+    state = {plan.names[_strip_prefix(k)]: v for k, v in raw.items() if _strip_prefix(k) not in _IGNORED}
+    layer = cfg.shapes
+    for name, heads in (("attention.wq.weight", layer.n_heads), ("attention.wk.weight", layer.n_kv_heads)):
+        state[name] = rotate_half_to_interleaved(state[name], heads)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v.long()) for k, v in state.items()}
     # Built on meta and then given the checkpoint's tensors: no random weights are made,
     # and a shared embedding or head is the target's own tensor, never a copy.
     draft = cls(cfg, dtype=dtype, device="meta", cache_device=device)
-    shared = {}
-    if "embed.weight" not in state:
-        shared["embed.weight"] = target.get_input_embeddings().weight
-    if ckpt.kind == EAGLE1:
-        shared["head.weight"] = target.get_output_embeddings().weight
-    for name, tensor in shared.items():
-        expected = tuple(dict(draft.named_parameters())[name].shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"the draft in {ckpt.directory} takes {name.split('.')[0]} from the target, whose tensor is "
-                f"{tuple(tensor.shape)}, but the draft needs {expected}"
-            )
-    wanted = dict(draft.state_dict())
-    missing = sorted(set(wanted) - set(state) - set(shared) - ({"d2t"} if "d2t" in wanted else set()))
-    if missing:
-        published = {v: k for k, v in names.items()}
-        raise ValueError(
-            f"the {ckpt.kind.upper()} draft in {ckpt.directory} lacks {[published.get(m, m) for m in missing]}"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(wanted[name].shape):
-            raise ValueError(
-                f"the draft's {name} in {ckpt.directory} is {tuple(tensor.shape)}, but its config.json gives "
-                f"{tuple(wanted[name].shape)}"
-            )
-    if "d2t" in wanted and "d2t" not in state:
-        state["d2t"] = torch.zeros_like(wanted["d2t"], device="cpu")
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    draft.load_state_dict({**state, **shared}, strict=True, assign=True)
+    shared = {"embed.weight": target.get_input_embeddings().weight, "head.weight": target.get_output_embeddings().weight}
+    state.update({name: shared[name] for name in plan.shared})
+    if "d2t" in dict(draft.named_buffers()) and "d2t" not in state:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size or cfg.target.vocab_size, dtype=torch.long)
+    draft.load_state_dict(state, strict=True, assign=True)
     draft._init_rope(*draft._rope_shape)  # the tables were made on meta
     return draft.to(device=device)

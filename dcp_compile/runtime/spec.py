@@ -541,17 +541,19 @@ class SpecDecoder:
         max_new_tokens: int,
         *,
         eos_id: int | None = None,
+        stop_ids: Sequence[int] = (),
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[RequestOutput]:
         """Decode every prompt; ``on_tokens(request, new_tokens)`` streams as tokens are
-        accepted.  Every rank must pass the same prompts.  A loop over a fresh
+        accepted.  ``eos_id`` and every id in ``stop_ids`` (a model's EOS ids) end a
+        request.  Every rank must pass the same prompts.  A loop over a fresh
         ``SpecEngine`` (its generator seeded with ``seed``): more prompts than
         ``max_batch`` queue, and start as earlier ones finish."""
         from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        engine = SpecEngine(self)
+        engine = SpecEngine(self, stop_ids=frozenset(stop_ids))
         outputs = [RequestOutput() for _ in prompts]
         ids: dict[int, int] = {}
         for i, prompt in enumerate(prompts):

@@ -185,7 +185,7 @@ REFUSALS = {
     "yarn": (dict(), dict(config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
              "RoPE scaling of type 'yarn', which this package does not implement"),
     "other vocabulary": (dict(vocab=128), None, "for a target vocabulary of 128 tokens .vocab_size., but this target has 96"),
-    "shape": (dict(), dict(add={"midlayer.mlp.up_proj.weight": torch.ones(81, 32)}), r"feed_forward.w3.weight .* is \(81, 32\)"),
+    "shape": (dict(), dict(add={"midlayer.mlp.up_proj.weight": torch.ones(81, 32)}), r"midlayer.mlp.up_proj.weight .* is \(81, 32\), but its config.json gives \(80, 32\)"),
 }
 
 
