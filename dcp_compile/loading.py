@@ -74,8 +74,9 @@ def resolve(model: str, draft: str | None = None) -> ModelSpec:
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"no model directory at {model!r}; expected a shipped name ({', '.join(SHIPPED)}), a directory written by "
-            f"`dcp-compile train`, or a Hugging Face causal-LM directory (config.json and its weights)"
+            f"no checkpoint directory at {model!r}; expected a shipped name ({', '.join(SHIPPED)}), a directory "
+            f"written by `dcp-compile train --out DIR`, or a Hugging Face causal-LM directory (config.json and its "
+            f"weights)"
         )
     config_path = path / "config.json"
     if not config_path.is_file():
