@@ -1,12 +1,19 @@
-"""``dcp-compile serve``: an OpenAI-compatible completions server over a ``SpecEngine``.
+"""``dcp-compile serve``: an OpenAI-compatible server over a ``SpecEngine``.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (each streamed or not, with
+``usage`` and ``finish_reason``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
 Rank 0 serves HTTP (Starlette on uvicorn) and runs the engine in one thread of its own;
 the other ranks run the engine's follower loop.  The engine thread is the only code that
 touches the engine: HTTP handlers hand it requests and aborts through a queue, and it
 hands tokens back to each request's asyncio queue.
 
-The shipped models read and write bytes: a prompt is text (UTF-8) or a list of token
-ids (bytes), and the completion is the bytes decoded as UTF-8.
+The model's codec (``dcp_compile.text``) turns text into token ids and back: a prompt is
+text or a list of token ids, chat messages go through the tokenizer's chat template,
+and a completion's text streams through an incremental decoder.  The shipped byte-level
+models read and write UTF-8 bytes and have no chat template (chat requests get a 400);
+a Hugging Face model brings its tokenizer.  Generation ends at any of the model's EOS
+ids (the engine's ``stop_ids``), at ``max_tokens`` or at a stop string.
 
 Failure behaviour:
 - a bad request (malformed JSON, a prompt longer than the cache, ``max_tokens < 1``, a
@@ -25,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import codecs
 import json
 import os
 import queue
@@ -35,15 +41,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+from dcp_compile.text import Codec, IncrementalDecoder
 
-SHIPPED_EOS = 0
-"""The document separator the shipped byte-level models were trained with."""
-
-_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream", "n", "user"})
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "n",
+                            "user"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_FINISH_REASONS = {"eos": "stop", "length": "length"}
 HEARTBEAT_SECONDS = 0.5
 """An idle leader still steps (one small broadcast) this often, so the followers' waits
 stay far inside the collective timeout."""
@@ -55,14 +64,18 @@ class BadRequest(ValueError):
 
 @dataclass
 class Completion:
-    """One request as the HTTP side sees it."""
+    """One request (a completion or a chat completion) as the HTTP side sees it."""
 
     prompt: list[int]
     params: SamplingParams
     stop: list[str]
     stream: bool
     model: str
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    decoder: IncrementalDecoder
+    chat: bool = False
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk carries the usage."""
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
@@ -72,32 +85,35 @@ class Completion:
     sent: int = 0
     tokens: int = 0
     done: bool = False
-    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.tokens,
+                "total_tokens": len(self.prompt) + self.tokens}
 
 
 def _type_error(name: str, expected: str, value) -> BadRequest:
     return BadRequest(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}")
 
 
-def parse_completion(body, model: str) -> Completion:
-    """The request body as a ``Completion``, or ``BadRequest`` saying what is wrong."""
+def _check_fields(body, fields: frozenset[str]) -> None:
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _FIELDS)
+    unknown = sorted(set(body) - fields)
     if unknown:
-        raise BadRequest(f"unsupported fields {unknown}: this server implements {sorted(_FIELDS)}")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        tokens = list(prompt.encode("utf-8"))
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        tokens = prompt
-    else:
-        raise _type_error("prompt", "a string or a list of token ids", prompt)
-    max_tokens = body.get("max_tokens", 16)
+        raise BadRequest(f"unsupported fields {unknown}: this server implements {sorted(fields)}")
+
+
+def _options(body: dict, name: str, max_tokens) -> tuple[SamplingParams, list[str], bool, bool]:
+    """The sampling params, stop strings, ``stream`` and ``include_usage`` of a request
+    whose ``max_tokens`` (read from field ``name``) is given."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise _type_error("max_tokens", "an integer", max_tokens)
+        raise _type_error(name, "an integer", max_tokens)
     if max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be >= 1, got {max_tokens}")
+        raise BadRequest(f"'{name}' must be >= 1, got {max_tokens}")
     temperature = body.get("temperature")
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
         raise _type_error("temperature", "a number", temperature)
@@ -112,12 +128,52 @@ def parse_completion(body, model: str) -> Completion:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _type_error("stream", "a boolean", stream)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true")
+    options = options or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} \
+            or not isinstance(options.get("include_usage", False), bool):
+        raise _type_error("stream_options", 'an object {"include_usage": a boolean}', options)
     n = body.get("n", 1)
     if n != 1:
         raise BadRequest(f"'n' must be 1 (one completion per request), got {n!r}")
+    # No eos_id: the engine's stop_ids (the codec's EOS ids) end every request.
     params = SamplingParams(max_new_tokens=max_tokens, temperature=None if temperature is None else float(temperature),
-                            seed=seed, eos_id=SHIPPED_EOS)
-    return Completion(tokens, params, stop, stream, str(body.get("model") or model))
+                            seed=seed)
+    return params, stop, stream, options.get("include_usage", False)
+
+
+def parse_completion(body, model: str, codec: Codec) -> Completion:
+    """A ``/v1/completions`` body as a ``Completion``, or ``BadRequest`` saying what is wrong."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        tokens = codec.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        tokens = prompt  # ids: the engine checks them against the vocabulary
+    else:
+        raise _type_error("prompt", "a string or a list of token ids", prompt)
+    max_tokens = body.get("max_tokens")
+    params, stop, stream, include_usage = _options(body, "max_tokens", 16 if max_tokens is None else max_tokens)
+    return Completion(tokens, params, stop, stream, str(body.get("model") or model), codec.decoder(tokens),
+                      include_usage=include_usage)
+
+
+def parse_chat(body, model: str, codec: Codec, *, context: int) -> Completion:
+    """A ``/v1/chat/completions`` body as a ``Completion`` of the rendered conversation, or
+    ``ValueError`` saying what is wrong (a model without a chat template included).
+    ``context``: the positions a prompt and its completion may take together; without
+    ``max_tokens`` the completion may use what the prompt leaves of it."""
+    _check_fields(body, _CHAT_FIELDS)
+    tokens = codec.chat_ids(body.get("messages"))
+    given = {name: body[name] for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise BadRequest(f"'max_completion_tokens' and its deprecated alias 'max_tokens' disagree: {given}")
+    name, max_tokens = next(iter(given.items()), ("max_tokens", max(1, context - len(tokens))))
+    params, stop, stream, include_usage = _options(body, name, max_tokens)
+    return Completion(tokens, params, stop, stream, str(body.get("model") or model), codec.decoder(tokens), chat=True,
+                      include_usage=include_usage)
 
 
 def _deliver(batch: list[tuple[Completion, tuple]]) -> None:
@@ -184,9 +240,9 @@ class EngineThread:
             return
         completion.tokens += len(tokens)
         self.metrics["tokens"] += len(tokens)
-        if finished_by == "eos" and tokens and tokens[-1] == SHIPPED_EOS:
-            tokens = tokens[:-1]
-        completion.text += completion.decoder.decode(bytes(tokens), final=finished_by is not None)
+        completion.text += completion.decoder.push(tokens)  # the decoder leaves EOS ids out
+        if finished_by is not None:
+            completion.text += completion.decoder.finish()
         hits = [completion.text.find(s, max(0, completion.sent - len(s))) for s in completion.stop]
         hits = [h for h in hits if h >= 0]
         if hits:
@@ -195,7 +251,7 @@ class EngineThread:
                 self.engine.abort(completion.engine_id)
             self._finish(completion, "stop")
         elif finished_by:
-            self._finish(completion, "stop" if finished_by == "eos" else finished_by)
+            self._finish(completion, _FINISH_REASONS.get(finished_by, finished_by))
         else:
             # Hold back what could be the start of a stop string.
             safe = len(completion.text) - max((len(s) - 1 for s in completion.stop), default=0)
@@ -291,20 +347,62 @@ class EngineThread:
         return "".join(f"{name} {value}\n" for name, value in lines.items())
 
 
-def build_app(worker: EngineThread, model_name: str):
+def _sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _completion_chunks(completion: Completion, text: str, reason: str | None) -> list[dict]:
+    """A streamed completion's chunks for ``text`` (and its end, when ``reason``)."""
+    if not (text or reason):
+        return []
+    return [{"id": completion.id, "object": "text_completion", "created": completion.created,
+             "model": completion.model, "choices": [{"index": 0, "text": text, "finish_reason": reason}]}]
+
+
+def _chat_chunk(completion: Completion, delta: dict, reason: str | None) -> dict:
+    return {"id": completion.id, "object": "chat.completion.chunk", "created": completion.created,
+            "model": completion.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+
+def _chat_chunks(completion: Completion, text: str, reason: str | None) -> list[dict]:
+    """A streamed chat completion's chunks: the text as a ``delta``, then (as OpenAI
+    sends it) the end in a chunk of its own with an empty delta."""
+    return ([_chat_chunk(completion, {"content": text}, None)] if text else []) \
+        + ([_chat_chunk(completion, {}, reason)] if reason else [])
+
+
+def _usage_chunk(completion: Completion) -> dict:
+    """``stream_options.include_usage``: the last chunk, with no choices."""
+    return {"id": completion.id, "object": "chat.completion.chunk" if completion.chat else "text_completion",
+            "created": completion.created, "model": completion.model, "choices": [], "usage": completion.usage()}
+
+
+def _response(completion: Completion, text: str, reason: str) -> dict:
+    """A whole (not streamed) response."""
+    head = {"id": completion.id, "created": completion.created, "model": completion.model}
+    if completion.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}
+        return dict(head, object="chat.completion", choices=[choice], usage=completion.usage())
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return dict(head, object="text_completion", choices=[choice], usage=completion.usage())
+
+
+def build_app(worker: EngineThread, codec: Codec, model_name: str):
+    """The HTTP side: routes over ``worker``, prompts and texts through ``codec``, and
+    ``model_name`` as the one model ``/v1/models`` lists."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
+    started = int(time.time())
+
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
-    def chunk(completion: Completion, text: str, reason: str | None) -> dict:
-        return {"id": completion.id, "object": "text_completion", "created": completion.created,
-                "model": completion.model, "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
-
-    async def completions(request: Request):
+    async def run(request: Request, parse):
         if worker.failure:
             return error(503, f"the engine failed: {worker.failure}", "server_error")
         if worker.draining:
@@ -314,43 +412,14 @@ def build_app(worker: EngineThread, model_name: str):
         except (json.JSONDecodeError, UnicodeDecodeError) as bad:
             return error(400, f"the body is not valid JSON: {bad}")
         try:
-            completion = parse_completion(body, model_name)
+            completion = parse(body)
             worker.engine.check_request(completion.prompt, completion.params)
         except ValueError as bad:
             return error(400, str(bad))
         completion.loop, completion.events = asyncio.get_running_loop(), asyncio.Queue()
         worker.submit(completion)
-        usage = lambda: {"prompt_tokens": len(completion.prompt), "completion_tokens": completion.tokens,  # noqa: E731
-                         "total_tokens": len(completion.prompt) + completion.tokens}
         if completion.stream:
-            async def events():
-                finished = False
-                try:
-                    while True:
-                        kind, *rest = await completion.events.get()
-                        # Whatever else has arrived goes out in the same chunk.
-                        while kind == "text" and rest[1] is None and not completion.events.empty():
-                            next_kind, *next_rest = completion.events.get_nowait()
-                            if next_kind != "text":
-                                kind, rest = next_kind, next_rest
-                                break
-                            rest = [rest[0] + next_rest[0], next_rest[1]]
-                        if kind == "error":
-                            yield f"data: {json.dumps({'error': {'message': rest[0], 'type': 'server_error'}})}\n\n"
-                            finished = True
-                            return
-                        text, reason = rest
-                        if text or reason:
-                            yield f"data: {json.dumps(chunk(completion, text, reason))}\n\n"
-                        if reason:
-                            finished = True
-                            yield "data: [DONE]\n\n"
-                            return
-                finally:
-                    if not finished:  # the client went away
-                        worker.cancel(completion)
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(stream(completion), media_type="text/event-stream")
         text, reason = "", None
         try:
             while reason is None:
@@ -362,7 +431,53 @@ def build_app(worker: EngineThread, model_name: str):
         except asyncio.CancelledError:
             worker.cancel(completion)
             raise
-        return JSONResponse(dict(chunk(completion, text, reason), usage=usage()))
+        return JSONResponse(_response(completion, text, reason))
+
+    async def stream(completion: Completion):
+        chunks = _chat_chunks if completion.chat else _completion_chunks
+        # With include_usage every chunk has a usage field (null), and the last one,
+        # with no choices, the request's usage.
+        usage = {"usage": None} if completion.include_usage else {}
+        finished = False
+        try:
+            if completion.chat:
+                yield _sse(dict(_chat_chunk(completion, {"role": "assistant", "content": ""}, None), **usage))
+            while True:
+                kind, *rest = await completion.events.get()
+                # Whatever else has arrived goes out in the same chunk.
+                while kind == "text" and rest[1] is None and not completion.events.empty():
+                    next_kind, *next_rest = completion.events.get_nowait()
+                    if next_kind != "text":
+                        kind, rest = next_kind, next_rest
+                        break
+                    rest = [rest[0] + next_rest[0], next_rest[1]]
+                if kind == "error":
+                    yield _sse({"error": {"message": rest[0], "type": "server_error"}})
+                    finished = True
+                    return
+                text, reason = rest
+                for chunk in chunks(completion, text, reason):
+                    yield _sse(dict(chunk, **usage))
+                if reason:
+                    finished = True
+                    if completion.include_usage:
+                        yield _sse(_usage_chunk(completion))
+                    yield _sse("[DONE]")
+                    return
+        finally:
+            if not finished:  # the client went away
+                worker.cancel(completion)
+
+    async def completions(request: Request):
+        return await run(request, lambda body: parse_completion(body, model_name, codec))
+
+    async def chat_completions(request: Request):
+        context = worker.engine.max_seq_len - worker.engine.k - 1
+        return await run(request, lambda body: parse_chat(body, model_name, codec, context=context))
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": started, "owned_by": "dcp-compile"}]})
 
     async def health(request: Request):
         if worker.failure:
@@ -376,31 +491,41 @@ def build_app(worker: EngineThread, model_name: str):
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ])
 
 
-def _build_engine(args: argparse.Namespace, group) -> SpecEngine:
+def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
+    """This rank's engine over ``--model`` (and ``--draft``), and the model's codec.  Every
+    rank builds the same codec, so every engine stops on the same EOS ids."""
     import dcp_compile as dcp
-    from dcp_compile.models.pretrained import load_pair
+    from dcp_compile import loading
 
+    spec = loading.resolve(args.model, args.draft)
+    codec = loading.codec(spec)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if group.device.type == "cuda" else torch.float32)
-    target, draft = load_pair(args.model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, device=group.device,
-                              dtype=dtype)
+    target, draft = loading.load(spec, max_batch=args.max_batch, max_seq_len=args.max_seq_len, device=group.device,
+                                 dtype=dtype)
     lowering = args.lowering or ("inductor" if group.device.type == "cuda" else "aot_eager")
-    decoder = dcp.SpecDecoder(target, draft, group, k=args.k, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                              temperature=args.temperature, seed=args.seed, lowering=lowering,
-                              chunk_size=min(args.chunk_size, args.max_seq_len),
+    decoder = dcp.SpecDecoder(target, draft, group, k=args.k if draft is not None else 0, max_batch=args.max_batch,
+                              max_seq_len=args.max_seq_len, temperature=args.temperature, seed=args.seed,
+                              lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
                               cuda_graphs=args.cuda_graphs and group.device.type == "cuda")
-    return SpecEngine(decoder, leader=True)
+    return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids), codec
 
 
-def _warm_up(engine: SpecEngine) -> None:
-    """Compile (and capture) every step graph before the first client waits for it."""
-    engine.add_request(list(b"def main():\n"), SamplingParams(max_new_tokens=2 * engine.k + 2))
+def _warm_up(engine: SpecEngine, codec: Codec) -> None:
+    """Compile (and capture) every step graph before the first client waits for it.
+    Rank 0 here and the followers in ``follow`` run this one request without the EOS
+    ids, so that an early EOS cannot leave a graph to the first client."""
+    stop_ids, engine.stop_ids = engine.stop_ids, frozenset()
+    engine.add_request(codec.encode("def main():\n"), SamplingParams(max_new_tokens=2 * engine.k + 2))
     while engine.has_work():
         engine.step()
+    engine.stop_ids = stop_ids
 
 
 def _join(args: argparse.Namespace):
@@ -427,13 +552,16 @@ def follow(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    engine = _build_engine(args, _join(args))
+    engine, _ = _build_engine(args, _join(args))
+    stop_ids, engine.stop_ids = engine.stop_ids, frozenset()
     try:
-        # The first request is rank 0's warm-up; past it, a silent rank 0 is a failure.
+        # The first request is rank 0's warm-up (run without the EOS ids, as _warm_up
+        # does); past it, a silent rank 0 is a failure.
         while not engine.stopped:
             engine.step()
             if engine.plan_timeout is None and engine.stats["finished"]:
                 engine.plan_timeout = args.collective_timeout
+                engine.stop_ids = stop_ids
     except BaseException as error:
         print(f"dcp-compile serve: rank {engine.group.rank} stopped: {type(error).__name__}: {error}", file=sys.stderr,
               flush=True)
@@ -467,14 +595,15 @@ def serve(args: argparse.Namespace) -> int:
         follow(args)
         return 0
     group = _join(args)
-    engine = _build_engine(args, group)
-    print(f"dcp-compile serve: {args.model!r}, DCP group of {group.size} on {group.device.type}, max_batch "
-          f"{args.max_batch}, max_seq_len {args.max_seq_len}, k={args.k}; compiling", file=sys.stderr, flush=True)
-    _warm_up(engine)
+    engine, codec = _build_engine(args, group)
+    print(f"dcp-compile serve: {args.model!r}" + (f" with draft {args.draft!r}" if args.draft else "")
+          + f", DCP group of {group.size} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
+          f"{args.max_seq_len}, k={engine.k}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
+    _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout
     worker = EngineThread(engine, step_timeout=args.step_timeout)
-    config = uvicorn.Config(build_app(worker, args.model), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_seconds)
+    config = uvicorn.Config(build_app(worker, codec, served_model_name(args)), host=args.host, port=args.port,
+                            log_level="warning", timeout_graceful_shutdown=args.drain_seconds)
     server = uvicorn.Server(config)
     worker.on_failure = lambda: setattr(server, "should_exit", True)
     worker.start()
@@ -499,10 +628,20 @@ def serve(args: argparse.Namespace) -> int:
     os._exit(1 if failed else 0)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """What ``/v1/models`` lists and responses name: ``--served-model-name``, else the last
+    part of ``--model``."""
+    return args.served_model_name or Path(args.model).name
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
-    parser.add_argument("--model", default="tiny-code", help="shipped model name or a `dcp-compile train` directory")
+    parser.add_argument("--model", default="tiny-code", help="shipped model name, a `dcp-compile train` directory, or "
+                        "a Hugging Face causal-LM directory (its tokenizer and chat template come with it)")
+    parser.add_argument("--draft", help="an EAGLE3 or EAGLE-1 draft checkpoint directory for a Hugging Face --model "
+                        "(default: none, one token per step)")
+    parser.add_argument("--served-model-name", help="the model name the API reports (default: --model's last part)")
     parser.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host", default="127.0.0.1")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dcp_compile.serve import BadRequest, parse_completion
+from dcp_compile.text import ByteCodec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -87,7 +88,7 @@ def test_request_bodies_are_checked(body, message):
     import re
 
     with pytest.raises(BadRequest) as error:
-        parse_completion(body, "tiny-code")
+        parse_completion(body, "tiny-code", ByteCodec())
     assert re.search(message, str(error.value))
 
 

@@ -42,6 +42,7 @@ class SamplingParams:
     """A generator of the request's own, so that its samples do not depend on the other
     requests in the batch; ``None`` draws from the engine's shared generator."""
     eos_id: int | None = None
+    """Ends this request, as the engine's ``stop_ids`` end every request."""
 
 
 @dataclass
@@ -86,6 +87,14 @@ class _Plan:
 _FIELDS = 9  # per row: admit, id, prompt length, max_new_tokens, temperature bits, has seed, seed, eos, abort
 
 
+def cut_at_stop(tokens: list[int], stops: frozenset[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to and including the first one in ``stops``, and whether there was one."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
 def _float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
@@ -102,10 +111,20 @@ class SpecEngine:
     rank must make the same calls in the same order.
     """
 
-    def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1):
+    def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1,
+                 stop_ids: frozenset[int] = frozenset()):
         if prefill_chunks_per_step is not None and (not isinstance(prefill_chunks_per_step, int)
                                                     or prefill_chunks_per_step < 1):
             raise ValueError(f"prefill_chunks_per_step must be an int >= 1 or None, got {prefill_chunks_per_step!r}")
+        bad = [t for t in stop_ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < decoder.target.vocab_size]
+        if bad:
+            raise ValueError(f"stop_ids must be token ids in [0, {decoder.target.vocab_size}), got "
+                             f"{sorted(bad, key=repr)[:5]!r}")
+        self.stop_ids = frozenset(stop_ids)
+        """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
+        model's EOS ids.  Every rank builds its engine with the same set, so they are
+        not broadcast."""
         self.prefill_chunks_per_step = prefill_chunks_per_step
         self.decoder = decoder
         self.group = decoder.group
@@ -261,9 +280,9 @@ class SpecEngine:
 
     def _emit(self, request: _Request, fresh: list[int], event: StepEvent) -> None:
         fresh = fresh[: request.params.max_new_tokens - len(request.tokens)]
-        eos = request.params.eos_id
-        if eos is not None and eos in fresh:
-            fresh = fresh[: fresh.index(eos) + 1]
+        stops = self.stop_ids if request.params.eos_id is None else self.stop_ids | {request.params.eos_id}
+        fresh, ended = cut_at_stop(fresh, stops)
+        if ended:
             event.finished_by = "eos"
         request.tokens += fresh
         event.tokens += fresh

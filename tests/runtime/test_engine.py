@@ -3,7 +3,7 @@
 import pytest
 
 import dcp_compile as dcp
-from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+from dcp_compile.runtime.engine import SamplingParams, SpecEngine, cut_at_stop
 from dcp_compile.runtime.launch import spawn_ranks
 from tests.runtime.workers import engine_leader_worker
 from tests.support import agreeing_pair
@@ -75,6 +75,29 @@ def test_eos_ends_a_request_and_its_row_goes_to_the_queue():
     assert out["ends"] == ["eos", "length"]
     assert out["tokens"][0] == full[: full.index(eos) + 1]
     assert out["tokens"][1] == decoder.generate([PROMPTS[1]], 6)[0].tokens
+
+
+def test_stop_ids_end_every_request_as_its_own_eos_does():
+    """A model with several EOS ids (Llama-3: end of text, end of turn): the engine's
+    ``stop_ids`` apply to every request, together with the request's own ``eos_id``."""
+    decoder = make_decoder(max_batch=2)
+    full = [decoder.generate([p], 20)[0].tokens for p in PROMPTS[:3]]
+    stops = frozenset({full[0][4]})
+    own = [None, full[1][2], None]
+    engine = SpecEngine(decoder, stop_ids=stops)
+    out = run(engine, [(0, p, SamplingParams(max_new_tokens=20, eos_id=e)) for p, e in zip(PROMPTS[:3], own)])
+    expected = [cut_at_stop(f, stops | ({e} if e is not None else set())) for f, e in zip(full, own)]
+    assert out["tokens"] == [tokens for tokens, _ in expected]  # the EOS token itself included
+    assert out["ends"] == ["eos" if ended else "length" for _, ended in expected]
+    assert out["ends"][:2] == ["eos", "eos"]
+    with pytest.raises(ValueError, match=r"stop_ids must be token ids in \[0, 32\), got \[32\]"):
+        SpecEngine(decoder, stop_ids=frozenset({3, 32}))
+
+
+def test_cut_at_stop():
+    assert cut_at_stop([5, 7, 9, 7], frozenset({7, 9})) == ([5, 7], True)
+    assert cut_at_stop([5, 6], frozenset({7})) == ([5, 6], False)
+    assert cut_at_stop([], frozenset({7})) == ([], False)
 
 
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
