@@ -154,16 +154,32 @@ def hf_generate(args, requests) -> dict:
 
 
 LOAD_PROBE = """
-import json, resource, sys, time
+import json, sys, threading, time
 import torch
 from dcp_compile import loading
+
+peaks = dict(RssAnon=0, RssFile=0)
+stop = threading.Event()
+
+def sample():
+    # ru_maxrss counts the checkpoint's mapped file pages too; anonymous memory is what a
+    # copy of the weights in host memory would take.
+    while not stop.wait(0.02):
+        for line in open("/proc/self/status"):
+            key = line.split(":")[0]
+            if key in peaks:
+                peaks[key] = max(peaks[key], int(line.split()[1]))
+
+threading.Thread(target=sample, daemon=True).start()
 spec = loading.resolve(sys.argv[1], sys.argv[2])
 start = time.perf_counter()
 target, draft = loading.load(spec, max_batch=int(sys.argv[3]), max_seq_len=int(sys.argv[4]), device="cuda",
                              dtype=torch.bfloat16)
 torch.cuda.synchronize()
 seconds = time.perf_counter() - start
-print(json.dumps(dict(load_s=seconds, peak_host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+stop.set()
+print(json.dumps(dict(load_s=seconds, peak_host_anon_gib=peaks["RssAnon"] / 2**20,
+                      peak_host_file_mapped_gib=peaks["RssFile"] / 2**20,
                       gpu_allocated_gib=torch.cuda.memory_allocated() / 2**30)))
 """
 

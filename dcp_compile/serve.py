@@ -184,7 +184,7 @@ def _deliver(batch: list[tuple[Completion, tuple]]) -> None:
 class EngineThread:
     """The one thread that drives the engine on rank 0."""
 
-    def __init__(self, engine: SpecEngine, *, step_timeout: float):
+    def __init__(self, engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0):
         self.engine = engine
         self.inbox: queue.Queue = queue.Queue()
         self.by_engine_id: dict[int, Completion] = {}
@@ -193,6 +193,11 @@ class EngineThread:
         self.draining = False
         self.closed = threading.Event()
         self.step_timeout = step_timeout
+        self.admission_window = admission_window
+        """Seconds an idle engine waits, after a request arrives, for more to join its
+        first prefill: every prefill chunk costs one ``[max_batch, chunk_size]`` step
+        however many rows it fills, so a burst that refills a drained batch should
+        share one."""
         self.step_started: float | None = None
         self.metrics = dict(requests=0, finished=0, tokens=0)
         self.thread = threading.Thread(target=self._run, name="dcp-engine", daemon=True)
@@ -260,12 +265,19 @@ class EngineThread:
                 completion.sent = safe
 
     def _take(self, block: bool, deadline: float | None) -> float | None:
+        idle = not self.engine.has_work()
+        gather_until = None
         while True:
+            timeout = HEARTBEAT_SECONDS if block else None
+            if gather_until is not None and self.engine.free_rows > 0:
+                block, timeout = True, max(0.0, gather_until - time.monotonic())
             try:
-                kind, value = self.inbox.get(block=block, timeout=HEARTBEAT_SECONDS if block else None)
+                kind, value = self.inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return deadline
             block = False
+            if kind == "add" and idle and gather_until is None and self.admission_window > 0:
+                gather_until = time.monotonic() + self.admission_window
             if kind == "add":
                 if self.draining or self.failure:
                     self._send(value, ("error", "the server is shutting down"))
@@ -601,7 +613,7 @@ def serve(args: argparse.Namespace) -> int:
           f"{args.max_seq_len}, k={engine.k}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout
-    worker = EngineThread(engine, step_timeout=args.step_timeout)
+    worker = EngineThread(engine, step_timeout=args.step_timeout, admission_window=args.admission_window_ms / 1000)
     config = uvicorn.Config(build_app(worker, codec, served_model_name(args)), host=args.host, port=args.port,
                             log_level="warning", timeout_graceful_shutdown=args.drain_seconds)
     server = uvicorn.Server(config)
@@ -657,6 +669,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: how long running requests may finish")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds a rank waits for the next step's plan before failing")
+    parser.add_argument("--admission-window-ms", type=float, default=10.0,
+                        help="an idle engine waits this long after a request arrives for more to share its first "
+                             "prefill chunk (default 10; 0: admit at once)")
     parser.add_argument("--step-timeout", type=float, default=120.0, help="seconds before a stuck step ends the server")
 
 
@@ -669,6 +684,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     for name in ("drain_seconds", "collective_timeout", "step_timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not 0 <= args.admission_window_ms <= 1000:
+        parser.error(f"--admission-window-ms must be in [0, 1000], got {args.admission_window_ms}")
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401

@@ -45,6 +45,8 @@ class ScriptedEngine:
         self.stats = dict(verify_steps=0, row_steps=0, accepted=0, step_seconds=0.0)
         self.next_id = 0
         self.stopped = False
+        self.batch_sizes: list[int] = []
+        """Requests each step served."""
 
     check_request = SpecEngine.check_request  # the real refusals: vocabulary, cache room, temperature
 
@@ -65,6 +67,12 @@ class ScriptedEngine:
     def running(self) -> int:
         return len(self.requests)
 
+    rows = 8
+
+    @property
+    def free_rows(self) -> int:
+        return self.rows - len(self.requests)
+
     def step(self) -> dict[int, StepEvent]:
         events = {}
         for rid, request in list(self.requests.items()):
@@ -77,6 +85,7 @@ class ScriptedEngine:
             if finished_by:
                 del self.requests[rid]
         self.stats["verify_steps"] += 1
+        self.batch_sizes.append(len(events))
         time.sleep(self.step_seconds)
         return events
 
@@ -258,3 +267,45 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(tokenizers):
             time.sleep(0.01)
         assert server.engine.aborted == [0] and not server.engine.running
         assert server.http.get("/health").json()["status"] == "ok"
+
+
+def _burst(window: float, rows: int, arrivals: int) -> tuple[ScriptedEngine, list[float]]:
+    """``arrivals`` requests 5 ms apart into an idle engine thread; returns the engine and
+    how long after the last arrival the first step began."""
+    import asyncio
+    import threading
+
+    from dcp_compile.serve import Completion
+
+    engine = ScriptedEngine(lambda prompt: [65] * 4, vocab=256, stop_ids=frozenset(), per_step=4)
+    engine.rows = rows
+    first_step = []
+    step = engine.step
+    engine.step = lambda: (first_step.append(time.monotonic()) if not first_step else None, step())[1]
+    worker = EngineThread(engine, step_timeout=60, admission_window=window)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    worker.start()
+    last = 0.0
+    for _ in range(arrivals):
+        completion = Completion([1, 2, 3], SamplingParams(max_new_tokens=4), [], False, MODEL, ByteCodec().decoder())
+        completion.loop, completion.events = loop, asyncio.Queue()
+        worker.submit(completion)
+        last = time.monotonic()
+        time.sleep(0.005)
+    deadline = time.monotonic() + 10
+    while len(engine.batch_sizes) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.close(drain_seconds=1)
+    loop.call_soon_threadsafe(loop.stop)
+    return engine, [first_step[0] - last]
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_prefill():
+    engine, _ = _burst(window=0.5, rows=8, arrivals=4)
+    assert engine.batch_sizes[0] == 4, "four arrivals 5 ms apart share the first step"
+
+
+def test_the_window_ends_once_the_rows_are_taken():
+    engine, (after_last,) = _burst(window=5.0, rows=2, arrivals=2)
+    assert engine.batch_sizes[0] == 2 and after_last < 2.0, "no wait for arrivals that could not be admitted"

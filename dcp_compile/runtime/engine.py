@@ -218,6 +218,11 @@ class SpecEngine:
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
 
+    @property
+    def free_rows(self) -> int:
+        """Rows that no running or queued request will take."""
+        return self.B - self.running - len(self.waiting)
+
     # ---- the step
 
     def _plan(self) -> _Plan:
