@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ def offline(args, requests) -> dict:
     run_all()  # compiles and captures
     compile_s = time.perf_counter() - started
     times = [run_all() for _ in range(args.reps)]
-    seconds = sorted(t for t, _ in times)[len(times) // 2]
+    seconds = statistics.median(t for t, _ in times)
     tokens = times[0][1]
     result = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, load_s=load_s, accept_len=accept[-1],
                   first_pass_s=compile_s, all_tokens_per_s=[tok / t for t, tok in times])
@@ -104,7 +105,9 @@ def server(args, requests) -> dict:
         after = httpx.get(f"{url}/metrics").text
     finally:
         load_test.stop_server(process)
-    best = sorted(runs, key=lambda s: s["tokens_per_s"])[len(runs) // 2]
+    # The pass of median throughput (for an even count, the mean of the middle two).
+    best = dict(sorted(runs, key=lambda s: s["tokens_per_s"])[len(runs) // 2])
+    best["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     pick = lambda text, name: next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))  # noqa: E731
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}
     return dict(best, runs=runs, steady_state=steady)
@@ -145,7 +148,7 @@ def hf_generate(args, requests) -> dict:
         tokens = sum(batch_tokens(b) for b in batches)
         sync()
         runs.append((time.perf_counter() - start, tokens))
-    seconds = sorted(t for t, _ in runs)[len(runs) // 2]
+    seconds = statistics.median(t for t, _ in runs)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
