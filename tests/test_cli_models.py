@@ -31,6 +31,14 @@ def test_gate_on_the_exported_hf_model_and_eagle3_draft_is_exact_at_dcp_2(export
     assert summary["accept_len_dcp"] > 2.0, "the trained draft keeps its acceptance through the published layout"
 
 
+def test_an_hf_model_without_a_draft_decodes_one_token_per_step_at_dcp_2(exported, capsys):
+    code = main(["gate", "--model", str(exported / "target"), "--dcp", "2", "--prompts", "2", "--batch", "2",
+                 "--max-new-tokens", "12", "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and summary["passed"] and summary["token_identity_rate"] == 1.0
+    assert summary["k"] == 0 and summary["histogram_dcp"] == [2 * 11], "every step emits the target's one token"
+
+
 def test_export_refuses_a_directory_that_holds_files(exported, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--model", "tiny-code", "--out", str(exported)])
