@@ -109,3 +109,16 @@ def test_eval_needs_a_draft_for_an_hf_model(exported, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", str(exported / "target")])
     assert exit_info.value.code == 2 and "needs --draft DIR" in capsys.readouterr().err
+
+
+def test_the_exported_pair_keeps_its_accept_length_through_the_published_route(exported):
+    """The same held-out prompts through the native pair and through transformers' directory
+    with the EAGLE3 checkpoint: the same accept counts, step for step in aggregate."""
+    from dcp_compile import loading, training
+
+    options = dict(k=4, n_prompts=8, new_tokens=48, batch=8)
+    native = training.measure_acceptance("tiny-code", **options)
+    published = training.measure_acceptance(
+        loading.resolve(str(exported / "target"), str(exported / "draft")), **options)
+    assert published["accept_histogram"] == native["accept_histogram"]
+    assert published["mean_accept_length"] == native["mean_accept_length"] > 2.5
