@@ -19,11 +19,12 @@ fix, so a command can refuse before any rank starts; ``load`` builds the models.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dcp_compile.files import read_json_object as _read_json
 
 PAIR, HF = "pair", "hf"
 
@@ -45,16 +46,6 @@ class ModelSpec:
     @property
     def speculative(self) -> bool:
         return self.kind == PAIR or self.draft is not None
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); {what}") from err
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object; {what}")
-    return value
 
 
 def resolve(model: str, draft: str | None = None) -> ModelSpec:

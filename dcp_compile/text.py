@@ -18,10 +18,11 @@ completion.
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+from dcp_compile.files import read_json_object
 
 SHIPPED_EOS = 0
 """The document separator the shipped byte-level models were trained with."""
@@ -174,13 +175,7 @@ def _eos_field(value, where: Path) -> frozenset[int] | None:
 def _read_eos(path: Path) -> frozenset[int] | None:
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")
-    return _eos_field(config.get("eos_token_id"), path)
+    return _eos_field(read_json_object(path).get("eos_token_id"), path)
 
 
 class HFCodec:

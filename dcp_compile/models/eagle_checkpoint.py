@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from dcp_compile.files import read_json_object
 from dcp_compile.models.llama import LlamaConfig, RopeScaling
 from dcp_compile.models.rope_layout import rotate_half_to_interleaved
 
@@ -104,12 +105,7 @@ def read_config(directory) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a draft checkpoint holds config.json beside its weights")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")
+    config = read_json_object(path)
     weight_files(directory)
     return config
 

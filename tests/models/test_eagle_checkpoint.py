@@ -60,16 +60,22 @@ EAGLE3_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", EAGLE3_CASES)
-def test_eagle3_checkpoint_matches_the_official_forward(tmp_path, case):
+def loaded_case(directory, case):
+    """A random checkpoint of ``case`` read by ``from_pretrained``, with its inputs."""
     c = EAGLE3_CASES[case]
-    sd, config = ref.random_eagle3(tmp_path, target_dim=32, vocab=96, draft_vocab=c["draft_vocab"], heads=c["heads"],
+    sd, config = ref.random_eagle3(directory, target_dim=32, vocab=96, draft_vocab=c["draft_vocab"], heads=c["heads"],
                                    kv_heads=c["kv_heads"], head_dim=c["head_dim"], intermediate=80, embed=c["embed"],
                                    seed=3, extra_config=c["extra"], fmt=c.get("fmt", "safetensors"), dim=c.get("dim"))
-    target = target_for(tmp_path)
-    draft = EagleDraft.from_pretrained(tmp_path, target).eval()
+    target = target_for(directory)
+    draft = EagleDraft.from_pretrained(directory, target).eval()
     tokens, features = inputs(96, 3 * 32)
     embed = sd.get("embed_tokens.weight", target.tok_embeddings.weight.detach())
+    return c, sd, config, target, draft, tokens, features, embed
+
+
+@pytest.mark.parametrize("case", EAGLE3_CASES)
+def test_eagle3_checkpoint_matches_the_official_forward(tmp_path, case):
+    c, sd, config, target, draft, tokens, features, embed = loaded_case(tmp_path, case)
     with torch.no_grad():
         expected_logits, expected_hidden = ref.eagle3_forward(sd, config, embed, tokens, features)
     logits, hidden = draft_outputs(draft, tokens, features)
@@ -96,14 +102,7 @@ def _perturbed(config: dict) -> dict:
 def test_each_rope_setting_changes_the_logits(tmp_path, case):
     """The fidelity test can fail: the reference with the checkpoint's RoPE setting dropped
     (or the rows left in rotate-half order) is far from the loaded draft."""
-    c = EAGLE3_CASES[case]
-    sd, config = ref.random_eagle3(tmp_path, target_dim=32, vocab=96, draft_vocab=c["draft_vocab"], heads=c["heads"],
-                                   kv_heads=c["kv_heads"], head_dim=c["head_dim"], intermediate=80, embed=c["embed"],
-                                   seed=3, extra_config=c["extra"], fmt=c.get("fmt", "safetensors"), dim=c.get("dim"))
-    target = target_for(tmp_path)
-    draft = EagleDraft.from_pretrained(tmp_path, target).eval()
-    tokens, features = inputs(96, 3 * 32)
-    embed = sd.get("embed_tokens.weight", target.tok_embeddings.weight.detach())
+    c, sd, config, target, draft, tokens, features, embed = loaded_case(tmp_path, case)
     logits, _ = draft_outputs(draft, tokens, features)
     got = on_target_ids(logits, draft)
     with torch.no_grad():

@@ -1,0 +1,19 @@
+"""Reading the JSON files of checkpoint directories, with errors that name the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_json_object(path: Path, what: str = "") -> dict:
+    """The JSON object in ``path``; ``ValueError`` naming the file when it is not valid JSON
+    or not an object (``what``: the fix, appended to the message)."""
+    fix = f"; {what}" if what else ""
+    try:
+        value = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}){fix}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object{fix}")
+    return value
