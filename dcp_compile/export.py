@@ -46,6 +46,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from dcp_compile.models.eagle import EagleDraft
+from dcp_compile.models.eagle_checkpoint import EAGLE3_NAMES, LAYER_NAMES
 from dcp_compile.models.llama import Llama, LlamaConfig
 from dcp_compile.models.pretrained import SHIPPED, load_pair, pair_configs
 from dcp_compile.models.rope_layout import interleaved_to_rotate_half
@@ -66,26 +67,11 @@ CHAT_TEMPLATE = (
 )
 """See the module docstring: system messages as ``# `` comments, the rest verbatim."""
 
-# One decoder layer, native name -> Hugging Face name (under model.layers.{i}. or midlayer.).
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-_DRAFT_NAMES = {
-    **{k: f"midlayer.{v}" for k, v in _LAYER_NAMES.items()},
-    "embed_norm.weight": "midlayer.input_layernorm.weight",
-    "hidden_norm.weight": "midlayer.hidden_norm.weight",
-    "fc.weight": "fc.weight",
-    "norm.weight": "norm.weight",
-    "head.weight": "lm_head.weight",
-    "d2t": "d2t",
-}
+
+def _published(names) -> dict[str, str]:
+    """This package's weight names -> the published ones: ``eagle_checkpoint``'s tables, read
+    the other way, so that export and ``from_pretrained`` cannot disagree."""
+    return {native: published for published, native in names.items()}
 
 
 def gpt2_byte_chars() -> tuple[str, ...]:
@@ -180,7 +166,7 @@ def _target_tensors(target: Llama) -> dict[str, torch.Tensor]:
     heads = {}
     for i in range(cfg.n_layers):
         prefix = f"model.layers.{i}."
-        names |= {f"layers.{i}.{k}": prefix + v for k, v in _LAYER_NAMES.items()}
+        names |= {f"layers.{i}.{k}": prefix + v for k, v in _published(LAYER_NAMES).items()}
         names[f"layers.{i}.attention_norm.weight"] = prefix + "input_layernorm.weight"
         heads |= {prefix + "self_attn.q_proj.weight": cfg.n_heads, prefix + "self_attn.k_proj.weight": cfg.n_kv_heads}
     return _renamed(target.state_dict(), names, heads)
@@ -190,7 +176,7 @@ def _draft_tensors(draft: EagleDraft, target: Llama) -> dict[str, torch.Tensor]:
     layer = draft.cfg.shapes  # the draft layer's own heads (a pair of this package: the target's)
     state = draft.state_dict()
     embed = state.pop("embed.weight")
-    names = _DRAFT_NAMES | ({"fc.bias": "fc.bias"} if draft.cfg.fc_bias else {})
+    names = {k: v for k, v in _published(EAGLE3_NAMES).items() if k in state}
     tensors = _renamed(state, names, {"midlayer.self_attn.q_proj.weight": layer.n_heads,
                                       "midlayer.self_attn.k_proj.weight": layer.n_kv_heads})
     if not torch.equal(embed, target.tok_embeddings.weight):

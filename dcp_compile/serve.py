@@ -42,6 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -52,7 +53,7 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "seed", "stop"
                             "user"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
-_FINISH_REASONS = {"eos": "stop", "length": "length"}
+_FINISH_REASONS = MappingProxyType({"eos": "stop", "length": "length"})
 HEARTBEAT_SECONDS = 0.5
 """An idle leader still steps (one small broadcast) this often, so the followers' waits
 stay far inside the collective timeout."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -35,8 +36,8 @@ from dcp_compile.models.rope_layout import rotate_half_to_interleaved
 
 EAGLE3, EAGLE1 = "eagle3", "eagle"
 
-# Published names (without a "model." prefix) -> EagleDraft's; "{p}" is the layer prefix.
-_LAYER_NAMES = {
+# Published names (without a "model." prefix) -> EagleDraft's.
+LAYER_NAMES = MappingProxyType({
     "self_attn.q_proj.weight": "attention.wq.weight",
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
@@ -45,9 +46,10 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
-_EAGLE3_NAMES = {
-    **{f"midlayer.{k}": v for k, v in _LAYER_NAMES.items()},
+})
+"""One decoder layer's weights, Hugging Face's names -> this package's (under the layer's prefix)."""
+EAGLE3_NAMES = MappingProxyType({
+    **{f"midlayer.{k}": v for k, v in LAYER_NAMES.items()},
     "midlayer.input_layernorm.weight": "embed_norm.weight",
     "midlayer.hidden_norm.weight": "hidden_norm.weight",
     "fc.weight": "fc.weight",
@@ -56,23 +58,23 @@ _EAGLE3_NAMES = {
     "lm_head.weight": "head.weight",
     "d2t": "d2t",
     "embed_tokens.weight": "embed.weight",
-}
-_EAGLE1_NAMES = {
-    **{f"layers.0.{k}": v for k, v in _LAYER_NAMES.items()},
+})
+EAGLE1_NAMES = MappingProxyType({
+    **{f"layers.0.{k}": v for k, v in LAYER_NAMES.items()},
     "fc.weight": "fc.weight",
     "fc.bias": "fc.bias",
     "embed_tokens.weight": "embed.weight",
-}
-_IGNORED = {"t2d"}
+})
+_IGNORED = frozenset({"t2d"})
 """Read by training only: True at the target ids the draft vocabulary covers."""
 
-_REFUSED_FLAGS = {
+_REFUSED_FLAGS = MappingProxyType({
     "fc_norm": "a per-feature RMSNorm before fc (SpecForge's fc_norm)",
     "norm_before_residual": "the residual taken after hidden_norm (vLLM's norm_before_residual)",
     "norm_before_fc": "an RMSNorm before fc (norm_before_fc)",
     "norm_output": "a normed output hidden state fed to the next step (SpecForge's norm_output)",
     "qkv_bias": "biases on q_proj, k_proj and v_proj",
-}
+})
 """Config switches that change the computation, which the draft here does not compute."""
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -157,9 +159,9 @@ def inspect(directory) -> DraftCheckpoint:
     config = read_config(directory)
     names = tuple(_strip_prefix(n) for n in _weight_names(weight_files(directory)))
     if any(n.startswith("midlayer.") for n in names):
-        kind, known = EAGLE3, _EAGLE3_NAMES
+        kind, known = EAGLE3, EAGLE3_NAMES
     elif any(n.startswith("layers.0.") for n in names):
-        kind, known = EAGLE1, _EAGLE1_NAMES
+        kind, known = EAGLE1, EAGLE1_NAMES
     else:
         raise ValueError(
             f"{directory} is not an EAGLE draft checkpoint: expected EAGLE3 weights (midlayer.*, fc, lm_head) or "
@@ -383,7 +385,7 @@ def check(directory, target) -> DraftPlan:
     from dcp_compile.models.eagle import EagleDraft
 
     ckpt = inspect(directory)
-    names = _EAGLE3_NAMES if ckpt.kind == EAGLE3 else _EAGLE1_NAMES
+    names = EAGLE3_NAMES if ckpt.kind == EAGLE3 else EAGLE1_NAMES
     files = weight_files(ckpt.directory)
     shapes = {names[_strip_prefix(k)]: v for k, v in _weight_shapes(files).items() if _strip_prefix(k) not in _IGNORED}
     published = {v: k for k, v in names.items()}
