@@ -21,8 +21,10 @@ Reported, for the DCP arm and for transformers' own ``generate()`` with its ``St
 - the attention ops in the compiled graphs (``prefix``/``window`` with the left-padding
   bound, ``masked reference`` for a site that fell back) and whether Inductor's code
   holds the Triton kernels (``_flash_fwd_kernel``, ``_prefix_split_kernel``);
-- how many calls gave transformers' tokens exactly (bf16: the arms differ in rounding,
-  so a near-tie can flip a token; fp32 with ``--small``: all of them).
+- how many calls gave transformers' tokens exactly, and per row how many new tokens
+  agree before the first that differs (bf16: the arms differ in rounding, and a
+  random-init model's logits are nearly flat, so a near-tie flips a token early; with
+  ``--dtype float32`` the arms agree far longer; fp32 on CPU with ``--small``: exactly).
 
 The last line is the JSON report.  The script leaves with ``os._exit`` once it has
 printed: NCCL teardown at exit has hung on these machines.
@@ -82,7 +84,8 @@ def run_arm(generate, batches, device, new_tokens: int) -> dict:
     later = seconds[1:] or seconds
     median = statistics.median(later)
     return dict(first_s=round(seconds[0], 3), median_s=round(median, 4), max_later_s=round(max(later), 4),
-                new_tokens_per_s=round(len(batches[0][0]) * new_tokens / median, 1), seconds=[round(s, 4) for s in seconds],
+                new_tokens_per_s=round(len(batches[0][0]) * new_tokens / median, 1),
+                seconds=[round(s, 4) for s in seconds],
                 tokens=tokens)
 
 
@@ -113,6 +116,7 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--max-cache-len", type=int, default=2048)
     parser.add_argument("--lowering", default="inductor", choices=["inductor", "aot_eager"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     if args.small:
         args.min_width, args.max_width, args.new_tokens, args.chunk_size, args.max_cache_len = 1, 50, 6, 16, 64
@@ -122,7 +126,7 @@ def main() -> int:
     else:
         group = DCPGroup(1, 0, torch.device("cpu") if args.small else torch.device("cuda", 0), None)
     say = print if group.rank == 0 else (lambda *a, **k: None)
-    dtype = torch.float32 if args.small else torch.bfloat16
+    dtype = torch.float32 if args.small else getattr(torch, args.dtype)
     model = build_model(args.family, args.small, group, dtype)
     import transformers
     from torch._dynamo.utils import counters
@@ -169,14 +173,21 @@ def main() -> int:
 
     say("generate() after compile_for_generate ...", flush=True)
     ours = run_arm(dcp_generate, batches, group.device, args.new_tokens)
-    same = [torch.equal(a, b) for a, b in zip(ours.pop("tokens"), hf.pop("tokens"))]
+    ours_tokens, hf_tokens = ours.pop("tokens"), hf.pop("tokens")
+    same = [torch.equal(a, b) for a, b in zip(ours_tokens, hf_tokens)]
+    agreeing = []  # per row: new tokens equal to transformers' before the first that differs
+    for (ids, _), a, b in zip(batches, ours_tokens, hf_tokens):
+        differs = (a[:, ids.shape[1]:] != b[:, ids.shape[1]:]).int()
+        agreeing += torch.where(differs.any(1), differs.argmax(1), differs.shape[1]).tolist()
     report.update(
-        dcp=ours, transformers=hf, warm_ratio=round(ours["median_s"] / hf["median_s"], 3),
+        dcp_arm=ours, transformers_arm=hf, warm_ratio=round(ours["median_s"] / hf["median_s"], 3),
         graphs_after_first_call=graphs_after_first[0], graphs=counters["stats"]["unique_graphs"],
         attention_ops=attention_ops(backend), triton_kernels_in_inductor_code=kernels_in_code,
         calls_with_transformers_tokens=f"{sum(same)}/{len(same)}",
+        new_tokens_agreeing_per_row=agreeing,
     )
-    say(f"DCP arm: first call {ours['first_s']} s, later calls median {ours['median_s']} s (max {ours['max_later_s']} s), "
+    say(f"DCP arm: first call {ours['first_s']} s, later calls median {ours['median_s']} s "
+        f"(max {ours['max_later_s']} s), "
         f"{ours['new_tokens_per_s']} new tokens/s; transformers: first {hf['first_s']} s, median {hf['median_s']} s; "
         f"graphs {graphs_after_first[0]} after the first call, {report['graphs']} at the end; transformers' tokens in "
         f"{report['calls_with_transformers_tokens']} calls", flush=True)

@@ -7,10 +7,16 @@ so that a GPU kernel can be registered for each without touching the passes
 (``triton_prefix.py`` and ``triton_flash.py`` do):
 
 - ``prefix_attention``: non-causal attention of the new queries over this rank's
-  cached slots ``[0, kv_len_b)``;
+  cached slots ``[0, kv_len_b)``, or ``[kv_start_b, kv_len_b)`` under a left-padding
+  mask (the slots before ``kv_start_b`` hold pad positions);
 - ``window_attention``: attention of the new queries over the new keys/values still
   in hand, masked by their global positions (causal for prefill, decode and chain
-  verify).
+  verify), and from ``lower_b`` on under a left-padding mask.
+
+A left-padding mask is a per-row lower bound on the key positions
+(``causal_mask.KeyLowerBound``), so it keeps each row's visible keys one range and the
+kernels stay length-bounded: slots and keys below the bound are never read, so pad
+slots may hold anything (NaN included).
 
 Their CPU kernels walk the queries and the keys in blocks (``blocked_attention``,
 an online softmax), so a step of ``T`` new tokens over ``S`` slots holds at most one
@@ -75,6 +81,7 @@ def blocked_attention(
     scale: float,
     *,
     key_limit: int | None = None,
+    key_start: int = 0,
     query_block: int = QUERY_BLOCK,
     key_block: int = KEY_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +91,8 @@ def blocked_attention(
     tile's partial ``(out, lse)`` comes from ``attention_with_lse`` and is folded into
     the running result by the exact LSE merge, so memory is bounded by the tile while
     the result is the same attention.  ``key_limit`` skips key blocks at or past it
-    (slots no query may see, such as those past every sequence's length).
+    (slots no query may see, such as those past every sequence's length), and
+    ``key_start`` the keys before it (below every sequence's left-padding bound).
     """
     B, Hq, T, _ = q_BHTD.shape
     S = k_BHSD.shape[2] if key_limit is None else min(key_limit, k_BHSD.shape[2])
@@ -94,7 +102,7 @@ def blocked_attention(
         rows = slice(t0, min(t0 + query_block, T))
         q = q_BHTD[:, :, rows]
         acc, acc_lse = out[:, :, rows], lse[:, :, rows]
-        for s0 in range(0, S, key_block):
+        for s0 in range(min(max(key_start, 0), S), S, key_block):
             keys = slice(s0, min(s0 + key_block, S))
             part, part_lse = attention_with_lse(q, k_BHSD[:, :, keys], v_BHSD[:, :, keys], allowed(rows, keys), scale)
             acc, acc_lse = _fold(acc, acc_lse, part, part_lse)
@@ -113,55 +121,69 @@ def _fold(out, lse, part, part_lse):
 
 
 def prefix_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float,
+    kv_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefix_attention`` in plain torch, on any device."""
     slots = torch.arange(k_cache.shape[2], device=k_cache.device)
     key_limit = int(kv_len.max()) if kv_len.numel() else 0
+    key_start = int(kv_start.min()) if kv_start is not None and kv_start.numel() else 0
 
     def allowed(rows: slice, keys: slice) -> torch.Tensor:
-        return (slots[keys][None, :] < kv_len[:, None])[:, None, :]  # [B, 1, s]
+        seen = slots[keys][None, :] < kv_len[:, None]
+        if kv_start is not None:
+            seen = seen & (slots[keys][None, :] >= kv_start[:, None])
+        return seen[:, None, :]  # [B, 1, s]
 
-    return blocked_attention(q, k_cache, v_cache, allowed, scale, key_limit=key_limit)
+    return blocked_attention(q, k_cache, v_cache, allowed, scale, key_limit=key_limit, key_start=key_start)
 
 
 @torch.library.custom_op("dcp::prefix_attention", mutates_args=())
 def prefix_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor, scale: float,
+    kv_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B,Hq,T,D]`` over cache slots ``[0, kv_len[b])`` of keys
-    ``[B,Hkv,S,D]`` and values ``[B,Hkv,S,Dv]`` (``Dv`` may differ from ``D``, as in MLA)."""
-    return prefix_attention_reference(q, k_cache, v_cache, kv_len, scale)
+    ``[B,Hkv,S,D]`` and values ``[B,Hkv,S,Dv]`` (``Dv`` may differ from ``D``, as in MLA);
+    ``kv_start [B]``: over slots ``[kv_start[b], kv_len[b])`` instead (a left-padding
+    mask: the slots before hold pads and are never read)."""
+    return prefix_attention_reference(q, k_cache, v_cache, kv_len, scale, kv_start)
 
 
 @prefix_attention.register_fake
-def _prefix_attention_fake(q, k_cache, v_cache, kv_len, scale):
+def _prefix_attention_fake(q, k_cache, v_cache, kv_len, scale, kv_start=None):
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, v_cache.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 def window_attention_reference(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float,
+    lower: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` in plain torch, on any device."""
 
     def allowed(rows: slice, keys: slice) -> torch.Tensor:
-        return positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+        seen = positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+        if lower is not None:
+            seen = seen & (positions[:, None, keys] >= lower[:, None, None])
+        return seen
 
     return blocked_attention(q, k_new, v_new, allowed, scale)
 
 
 @torch.library.custom_op("dcp::window_attention", mutates_args=())
 def window_attention(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float,
+    lower: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the ``T`` new queries over the ``T`` new keys, causal by global
-    position: query ``t`` sees key ``s`` where ``positions[b, s] <= positions[b, t]``."""
-    return window_attention_reference(q, k_new, v_new, positions, scale)
+    position: query ``t`` sees key ``s`` where ``positions[b, s] <= positions[b, t]``;
+    ``lower [B]``: and ``positions[b, s] >= lower[b]`` (a left-padding mask)."""
+    return window_attention_reference(q, k_new, v_new, positions, scale, lower)
 
 
 @window_attention.register_fake
-def _window_attention_fake(q, k_new, v_new, positions, scale):
+def _window_attention_fake(q, k_new, v_new, positions, scale, lower=None):
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, v_new.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 

@@ -10,6 +10,9 @@
   tokens (``staging_slots``), how many local slots lie before a step (``prefix_lengths``);
 - with a key-padding mask (``MaskProof.key_masks``), which keys each new token may see:
   in this rank's prefix (``prefix_allowed``) and among the new tokens (``window_allowed``);
+- with a left-padding bound (``MaskProof.key_lower_bounds``), each row's lowest visible
+  position (``key_lower_bound``) and the first local slot at or past it
+  (``prefix_starts``), which the length-bounded attention ops take;
 - the collective's payload and the exact merge of the ranks' partials with the window
   (``pack_partial``, ``merge_gathered``; ``split_heads``, ``merge_exchanged`` and
   ``join_heads`` for the all-to-all form).
@@ -107,6 +110,24 @@ def prefix_lengths(
     return KVLayout(size, rank, max_seq_len, interleave).local_length(start)
 
 
+def key_lower_bound(
+    positions_BT: torch.Tensor, *inputs: torch.Tensor, coefs: tuple[int, ...], const: int
+) -> torch.Tensor:
+    """``[B]`` int64: ``sum(coef * input) + const`` per row, the lowest key position row
+    ``b`` may see (``causal_mask.KeyLowerBound``; each input ``[B]`` or one value, in
+    any unit-padded shape; the new tokens' positions give the batch and the device)."""
+    bound = torch.full((positions_BT.shape[0],), const, dtype=torch.long, device=positions_BT.device)
+    for x, coef in zip(inputs, coefs):
+        bound = bound + coef * x.reshape(-1).to(torch.long)
+    return bound
+
+
+def prefix_starts(lower: torch.Tensor, *, size: int, rank: int, interleave: int, max_seq_len: int) -> torch.Tensor:
+    """``[B]``: local slots holding positions below ``lower`` (the first one a row may
+    see: global positions grow with the local slot, so the visible slots are one range)."""
+    return KVLayout(size, rank, max_seq_len, interleave).local_length(lower.clamp(0, max_seq_len))
+
+
 def key_visible(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``mask [B, W]`` read at ``positions [B, K]``: bool, True where the entry is nonzero;
     False at positions outside ``[0, W)`` (what right-padding the mask with zeros gives)."""
@@ -117,26 +138,33 @@ def key_visible(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def prefix_allowed(
     positions_BT: torch.Tensor, kv_len: torch.Tensor, *key_masks: torch.Tensor, slots: int, size: int, rank: int,
-    interleave: int, max_seq_len: int,
+    interleave: int, max_seq_len: int, lower: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, 1, slots]``: local slot ``j`` is visible to every new token of sequence ``b``
-    when it lies before the sequence's first new token (``j < kv_len[b]``) and every key
-    mask holds at the global position it stores."""
+    when it lies before the sequence's first new token (``j < kv_len[b]``), every key
+    mask holds at the global position it stores, and that position is at least
+    ``lower[b]`` where a left-padding bound is given."""
     layout = KVLayout(size, rank, max_seq_len, interleave)
     slot = torch.arange(slots, device=positions_BT.device)
     allowed = slot[None, :] < kv_len[:, None]
     held = layout.global_position(slot).expand(positions_BT.shape[0], slots)
     for mask in key_masks:
         allowed = allowed & key_visible(mask, held)
+    if lower is not None:
+        allowed = allowed & (held >= lower[:, None])
     return allowed[:, None, :]
 
 
-def window_allowed(positions_BT: torch.Tensor, *key_masks: torch.Tensor) -> torch.Tensor:
-    """``[B, T, T]``: new token ``t`` sees new token ``u`` when ``pos[u] <= pos[t]`` and
-    every key mask holds at ``pos[u]``."""
+def window_allowed(
+    positions_BT: torch.Tensor, *key_masks: torch.Tensor, lower: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, T, T]``: new token ``t`` sees new token ``u`` when ``pos[u] <= pos[t]``, every
+    key mask holds at ``pos[u]``, and ``pos[u] >= lower[b]`` where a bound is given."""
     allowed = positions_BT[:, None, :] <= positions_BT[:, :, None]
     for mask in key_masks:
         allowed = allowed & key_visible(mask, positions_BT)[:, None, :]
+    if lower is not None:
+        allowed = allowed & (positions_BT >= lower[:, None])[:, None, :]
     return allowed
 
 

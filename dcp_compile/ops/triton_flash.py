@@ -34,6 +34,14 @@ each width, so nothing is padded in memory.
   the one or two blocks between them need the position mask.  Tiles are launched
   heaviest first so the short ones fill the tail of the grid.
 
+**Left padding** (``kv_start`` for the prefix, ``lower`` for the window; the op
+arguments of the same names): each row's keys begin at a bound, local slot
+``kv_start[b]`` of the prefix, global position ``lower[b]`` of the window.  The prefix
+loop starts at the block holding ``kv_start[b]``; the window's position scan also finds
+the first key a tile's queries can see at or past ``lower[b]`` and starts there.  Keys
+below the bound are masked at the load, like those past the length, so pad slots may
+hold anything.
+
 Keys past the loop bound (slots past ``kv_len``, which may hold NaN) are masked at the
 load with ``other=0``, and in every block that is not wholly visible the scores of
 keys a row may not see are set to ``-inf`` with ``tl.where``: a NaN in an unused slot
@@ -109,18 +117,45 @@ def window_bounds(POS_ROW, s_post, T, q_min, q_max, SCAN: tl.constexpr):
 
 
 @triton.jit
+def window_bounds_from(POS_ROW, s_post, T, q_min, q_max, low, SCAN: tl.constexpr):
+    """``window_bounds`` where keys at positions below ``low`` are seen by no query:
+    ``first``, before which no key is seen by any query of the tile; ``full``, from
+    ``first`` up to which every key is seen by every query; and ``hi``, from which no
+    key is seen by any.  Keys below ``low`` may lie anywhere, so ``full`` takes a second
+    scan, from ``first``."""
+    first = tl.full([], 0, tl.int32) + T
+    hi = tl.full([], 0, tl.int32)
+    for start in range(0, T, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        in_range = offs < T
+        k_pos = tl.load(POS_ROW + offs * s_post, mask=in_range, other=0)
+        seen = in_range & (k_pos >= low) & (k_pos <= q_max)
+        first = tl.minimum(first, tl.min(tl.where(seen, offs, T), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(seen, offs + 1, 0), 0))
+    full = tl.full([], 0, tl.int32) + T
+    for start in range(0, T, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        in_range = offs < T
+        k_pos = tl.load(POS_ROW + offs * s_post, mask=in_range, other=0)
+        partly = in_range & (offs >= first) & ((k_pos > q_min) | (k_pos < low))
+        full = tl.minimum(full, tl.min(tl.where(partly, offs, T), 0))
+    return first, full, hi
+
+
+@triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, KV_LEN, POS, O, LSE,
+    Q, K, V, KV_LEN, POS, LOWER, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     T, S, G,
     s_qb, s_qh, s_qt, s_qd,
     s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd,
     s_pb, s_pt,
+    s_lowb,
     s_ob, s_oh, s_ot, s_od,
     s_lb, s_lh, s_lt,
     WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_LOWER: tl.constexpr,
 ):
     # D is the tile's head width, a power of two; q and the keys are DK wide, the values
     # and the output DV (transformers' expanded MLA: 192 and 128), read and written
@@ -147,25 +182,42 @@ def _flash_fwd_kernel(
     else:
         q = tl.load(q_ptrs, mask=k_cols[None, :], other=0.0)
 
+    # Keys [first, hi) are the loop's; [first, full) is seen whole by every row.
+    first = tl.full([], 0, tl.int32)
     if WINDOW:
         pos_base = POS + b * s_pb
         q_pos = tl.load(pos_base + tok * s_pt)
         q_min = tl.min(q_pos, 0)
         q_max = tl.max(q_pos, 0)
-        full, hi = window_bounds(pos_base, s_pt, T, q_min, q_max, SCAN)
+        if HAS_LOWER:
+            low = tl.load(LOWER + b * s_lowb)
+            first, full, hi = window_bounds_from(pos_base, s_pt, T, q_min, q_max, low, SCAN)
+        else:
+            full, hi = window_bounds(pos_base, s_pt, T, q_min, q_max, SCAN)
     else:
         hi = cache_length(KV_LEN, b, S)
         full = hi
+        if HAS_LOWER:
+            first = tl.minimum(tl.maximum(tl.load(LOWER + b * s_lowb), 0), hi).to(tl.int32)
 
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = K + b * s_kb + kv_head.to(tl.int64) * s_kh + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd
-    v_ptrs = V + b * s_vb + kv_head.to(tl.int64) * s_vh + offs_n[:, None] * s_vs + offs_d[None, :] * s_vd
+    lo_block = (first // BLOCK_N) * BLOCK_N
+    k_ptrs = (K + b * s_kb + kv_head.to(tl.int64) * s_kh + lo_block.to(tl.int64) * s_ks + offs_n[:, None] * s_ks
+              + offs_d[None, :] * s_kd)
+    v_ptrs = (V + b * s_vb + kv_head.to(tl.int64) * s_vh + lo_block.to(tl.int64) * s_vs + offs_n[:, None] * s_vs
+              + offs_d[None, :] * s_vd)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo_block, hi, BLOCK_N):
         keys = start + offs_n
         live = keys < hi
+        if HAS_LOWER:
+            # Keys below the bound are never loaded: pad slots may hold NaN.
+            if WINDOW:
+                live = live & (tl.load(pos_base + keys * s_pt, mask=live, other=0) >= low)
+            else:
+                live = live & (keys >= first)
         if DK == D:  # the mask on the head axis only where it masks something
             k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
         else:
@@ -179,7 +231,7 @@ def _flash_fwd_kernel(
         # Blocks inside [0, full) are live and seen by every row: only the others need
         # the mask.  Skipping it there made the window form ~1.5x faster on the H200;
         # a second, unmasked loop instead spilled registers (two pipelined loops).
-        if start + BLOCK_N > full:
+        if (start + BLOCK_N > full) | (start < first):
             if WINDOW:
                 k_pos = tl.load(pos_base + keys * s_pt, mask=live, other=0)
                 visible = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -288,8 +340,10 @@ def _blocks(q: torch.Tensor, width: int, window: bool, block_m: int | None,
     return block_m or default_m, block_n or default_n, num_warps, num_stages
 
 
-def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
-    """Launch the kernel in the prefix form (``kv_len`` given) or the window form."""
+def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None):
+    """Launch the kernel in the prefix form (``kv_len`` given) or the window form;
+    ``lower``: the rows' left-padding bounds (``kv_start`` of the prefix, ``lower`` of
+    the window)."""
     window = positions is not None
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
@@ -308,12 +362,13 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n):
     scan = scan_block(T, window)
     grid = (triton.cdiv(G * T, BLOCK_M), Hkv, B)
     wrap_triton(_flash_fwd_kernel)[grid](
-        q, k, v, meta, meta, out, lse,
+        q, k, v, meta, meta, meta if lower is None else lower, out, lse,
         scale * LOG2E,
         T, S, G,
-        *q.stride(), *k.stride(), *v.stride(), *pos_strides, *out.stride(), *lse.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *pos_strides, 0 if lower is None else lower.stride(0),
+        *out.stride(), *lse.stride(),
         WINDOW=window, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SCAN=scan,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DK=DK, DV=DV,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DK=DK, DV=DV, HAS_LOWER=lower is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
@@ -328,15 +383,18 @@ def prefix_flash_triton(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefix_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
     Keys ``D`` wide and values ``Dv`` wide, each at most 256, read unpadded.  ``block_m``
     (query rows a program holds: G heads x tokens) and ``block_n`` (keys per loop step),
     each one of ``BLOCK_SIZES``, override ``flash_config`` for tests and tuning.
+    ``kv_start [B]``: slots ``[kv_start[b], kv_len[b])`` (a left-padding bound).
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len)
-    return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n)
+    check_lower("prefix_attention", "kv_start", kv_start, q)
+    return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n, kv_start)
 
 
 @triton_op("dcp::window_flash_triton", mutates_args=())
@@ -348,13 +406,22 @@ def window_flash_triton(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    lower: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
-    Widths, ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.
+    Widths, ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.  ``lower [B]``:
+    keys at positions ``>= lower[b]`` only (a left-padding bound).
     """
     check_inputs("window", q, k_new, v_new, positions)
-    return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n)
+    check_lower("window_attention", "lower", lower, q)
+    return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n, lower)
+
+
+def check_lower(op: str, name: str, lower: torch.Tensor | None, q: torch.Tensor) -> None:
+    """A left-padding bound, where given, is an integer tensor ``[B]`` on ``q``'s device."""
+    if lower is not None:
+        check_index(op, name, lower, int(q.shape[0]), None, {"q": q})
 
 
 def kernel_width(k_width: int, v_width: int) -> int | None:
@@ -370,9 +437,14 @@ def _window_form(k_new, v_new):
     return window_flash_triton
 
 
+def window_attention_any_width(q, k_new, v_new, positions, scale, lower=None):
+    """The window kernel the registered op runs on CUDA, with the op's arguments."""
+    return _window_form(k_new, v_new)(q, k_new, v_new, positions, scale, lower=lower)
+
+
 @window_attention.register_kernel("cuda")
-def _window_attention_cuda(q, k_new, v_new, positions, scale):
-    return _window_form(k_new, v_new)(q, k_new, v_new, positions, scale)
+def _window_attention_cuda(q, k_new, v_new, positions, scale, lower=None):
+    return window_attention_any_width(q, k_new, v_new, positions, scale, lower)
 
 
 @window_attention.register_torch_dispatch(FunctionalTensorMode)
@@ -382,4 +454,4 @@ def _window_attention_functional(mode, op, types, args, kwargs):
     if q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        return window_flash_triton(*args, **kwargs)
+        return window_attention_any_width(*args, **kwargs)

@@ -24,8 +24,11 @@ Three choices follow from that:
   slice instead of leaving most of them idle.  Slices past a short sequence's length
   run no loop iteration and write ``lse = -inf``, ``out = 0``.
 
-Slots at or past ``kv_len[b]`` are never loaded (masked loads), and their scores are
-set to ``-inf`` with ``tl.where``, so NaN or inf left in unused slots cannot leak:
+Under a left-padding mask (``kv_start``) a sequence's slots are ``[kv_start[b],
+kv_len[b])`` and its slices cut that range instead.
+
+Slots at or past ``kv_len[b]`` (or before ``kv_start[b]``) are never loaded (masked
+loads), and their scores are set to ``-inf`` with ``tl.where``, so NaN or inf left in unused slots cannot leak:
 ``0 * NaN`` never happens.  Keys and values may be of other widths than the tile's
 power of two, and of different widths (transformers' expanded MLA: 192 and 128): the
 loads mask the head axis, so a decode step reads the cache as it is, with no padded copy.
@@ -78,7 +81,7 @@ from dcp_compile.ops.attention import (
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    cache_length, check_index, check_inputs, kernel_width, prefix_flash_triton, scan_block,
+    cache_length, check_index, check_inputs, check_lower, kernel_width, prefix_flash_triton, scan_block,
     window_bounds,
 )
 
@@ -131,12 +134,12 @@ def _masked_softmax_step(scores, visible, m, l):
 
 
 @triton.jit
-def _split_range(kv_len, num_splits, split, BLOCK_S: tl.constexpr):
-    """Slots ``[lo, hi)`` of slice ``split`` of a sequence's ``kv_len``: whole blocks, each
-    program cutting its own sequence's length."""
-    split_len = tl.cdiv(kv_len, num_splits * BLOCK_S) * BLOCK_S
-    lo = split * split_len
-    return lo, tl.minimum(lo + split_len, kv_len)
+def _split_range(kv_lo, kv_hi, num_splits, split, BLOCK_S: tl.constexpr):
+    """Slots ``[lo, hi)`` of slice ``split`` of a sequence's slots ``[kv_lo, kv_hi)``: whole
+    blocks, each program cutting its own sequence's range."""
+    split_len = tl.cdiv(kv_hi - kv_lo, num_splits * BLOCK_S) * BLOCK_S
+    lo = kv_lo + split * split_len
+    return lo, tl.minimum(lo + split_len, kv_hi)
 
 
 @triton.jit
@@ -151,7 +154,7 @@ def _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_d, row_ok):
 
 @triton.jit
 def _prefix_split_kernel(
-    Q, K, V, KV_LEN, O, LSE,
+    Q, K, V, KV_LEN, KV_START, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     S, T, G, num_splits,
     s_qb, s_qh, s_qt, s_qd,
@@ -160,7 +163,7 @@ def _prefix_split_kernel(
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, HAS_START: tl.constexpr,
 ):
     # D is the tile's head width, a power of two; the keys are DK wide and the values DV
     # (transformers' expanded MLA: 192 and 128), read unpadded under a mask on the head
@@ -186,7 +189,11 @@ def _prefix_split_kernel(
         mask=row_ok[:, None] & k_cols[None, :], other=0.0,
     )
 
-    lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
+    kv_hi = cache_length(KV_LEN, b, S)
+    kv_lo = tl.full([], 0, tl.int32)
+    if HAS_START:
+        kv_lo = tl.minimum(tl.maximum(tl.load(KV_START + b), 0), kv_hi).to(tl.int32)
+    lo, hi = _split_range(kv_lo, kv_hi, num_splits, split, BLOCK_S)
     k_base = K + b * s_kb + kv_head.to(tl.int64) * s_kh
     v_base = V + b * s_vb + kv_head.to(tl.int64) * s_vh
 
@@ -313,6 +320,7 @@ def prefix_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_s: int | None = None,
+    kv_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
@@ -321,9 +329,10 @@ def prefix_attention_triton(
     tile's head axis (``kernel_width``) past each.  ``num_splits`` (slices of the cache
     per sequence and KV head, at most ``MAX_SPLITS``) and ``block_s`` (slots per loop
     step: 16, 32, 64 or 128) override ``split_plan`` and ``default_block_s``, for tests
-    and tuning.
+    and tuning.  ``kv_start [B]``: slots ``[kv_start[b], kv_len[b])`` (a left-padding bound).
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
+    check_lower("prefix_attention", "kv_start", kv_start, q)
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
     B, Hq, T, DK = (int(n) for n in q.shape)
@@ -342,12 +351,12 @@ def prefix_attention_triton(
     num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, num_splits)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
     wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
-        q, k_cache, v_cache, kv_len, o_part, lse_part,
+        q, k_cache, v_cache, kv_len, kv_len if kv_start is None else kv_start, o_part, lse_part,
         scale * 1.4426950408889634,
         S, T, G, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DK=DK, DV=DV, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     # A step's output (at most SPLIT_KV_MAX_TOKENS tokens) is small next to the cache.
@@ -400,7 +409,7 @@ def _latent_split_kernel(
         _, hi = window_bounds(POS + b * s_posb, s_post, S, tl.min(q_pos, 0), tl.max(q_pos, 0), SCAN)
         lo = 0
     else:
-        lo, hi = _split_range(cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
+        lo, hi = _split_range(0, cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
     kv_base = KV + b * s_cb
     pe_base = PE + b * s_pb
 
@@ -608,10 +617,10 @@ def _kernel_for(q: torch.Tensor):
     return prefix_attention_triton if q.shape[2] <= SPLIT_KV_MAX_TOKENS else prefix_flash_triton
 
 
-def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale):
+def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale, kv_start=None):
     """The prefix kernel the registered op runs on CUDA (``_kernel_for``), for keys and
     values of any widths up to 256."""
-    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale)
+    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale, kv_start=kv_start)
 
 
 def _cuda_form(q, k_cache, v_cache):
@@ -623,8 +632,8 @@ def _cuda_form(q, k_cache, v_cache):
 
 
 @prefix_attention.register_kernel("cuda")
-def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale):
-    return _cuda_form(q, k_cache, v_cache)(q, k_cache, v_cache, kv_len, scale)
+def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale, kv_start=None):
+    return _cuda_form(q, k_cache, v_cache)(q, k_cache, v_cache, kv_len, scale, kv_start)
 
 
 @prefix_attention.register_torch_dispatch(FunctionalTensorMode)

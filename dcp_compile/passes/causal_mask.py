@@ -14,16 +14,31 @@ that build the mask:
 - a key-padding read ``pad[b_idx, s_idx]`` of a 2-D graph input ``[B, W]`` (bool, or
   integer read as ``!= 0``; right-padded with zeros, as HF's ``prepare_padding_mask``
   does) is an atom of its own, true where the entry is;
-- views, broadcasts, ``&`` and ``~`` transform those symbolically.
+- views, broadcasts, ``&`` and ``~`` transform those symbolically;
+- a tensor the graph computes and then reads by advanced indexing
+  (``mask[batch_idx, kv_idx]``, as transformers' ``padding_mask_function`` reads the
+  2-D mask it is given) is that tensor's forms with its axes replaced by the index forms.
 
 The mask is proven when it is, up to broadcasting to ``[B, H, T, S]``, the atom
 ``s - pos[b, t] <= 0`` with ``pos`` the write's own positions form, and-ed with any
-number of key-padding atoms read at exactly ``[b, s]``: a key mask over global
-positions, which the cascade shards like the cache (``MaskProof.key_masks``).  Anything
-else stays unproven, with a reason naming the node and the user's source line: a
-padding mask indexed otherwise, a sliding window (an extra atom), a union of masks, a
-mask built by vmap or any op not modelled here, ``is_causal=True`` (aligned to slot 0,
-not to positions), or no mask at all (every slot, written or not, would be visible).
+number of
+
+- key-padding atoms read at exactly ``[b, s]``: a key mask over global positions, which
+  the cascade shards like the cache (``MaskProof.key_masks``), read by the masked
+  reference attention;
+- per-row lower bounds ``lo[b] + c - s <= 0`` (``s >= lo[b] + c``, with ``lo`` integer
+  graph inputs read along the batch axis only): a left-padding mask, whose pad
+  positions come first in every row, in the one form that says so in the graph
+  (``MaskProof.key_lower_bounds``); the cascade hands the bound to the same length-bounded
+  kernels as an unmasked site.  A 2-D mask *table* never becomes a bound, whatever it
+  holds: its zeros being a prefix of each row is a fact about the data, which a graph
+  cannot prove; it stays a key mask.
+
+Anything else stays unproven, with a reason naming the node and the user's source
+line: a padding mask indexed otherwise, a sliding window or an upper bound (an extra
+atom that is not a lower bound per row), a union of masks, a mask built by vmap or any
+op not modelled here, ``is_causal=True`` (aligned to slot 0, not to positions), or no
+mask at all (every slot, written or not, would be visible).
 
 A causal-mask *table* indexed by positions (gpt-fast's
 ``causal_mask[None, None, input_pos]``) is proven under the assumption that the table
@@ -60,12 +75,26 @@ class MaskProof:
     """Placeholders ``[B, W]`` of key-padding masks over global positions, and-ed with
     the causal mask: key ``s`` of sequence ``b`` is visible only where ``mask[b, s]``
     (positions ``>= W`` are not)."""
+    key_lower_bounds: tuple[KeyLowerBound, ...] = ()
+    """Per-row lower bounds on the visible key positions, and-ed with the causal mask
+    (and any key masks): key ``s`` of sequence ``b`` is visible only where
+    ``s >= bound[b]`` for every bound."""
     failure: str | None = None
     """Why the mask is not proven position-causal; None when it is."""
 
     @property
     def proven(self) -> bool:
         return self.failure is None
+
+
+@dataclass(frozen=True)
+class KeyLowerBound:
+    """``s >= sum(coef * input.reshape(-1)) + const`` for sequence ``b``: each input an
+    integer graph input whose only non-unit axis (if any) is the batch axis."""
+
+    inputs: tuple[tuple[Node, int], ...]
+    """``(placeholder, coefficient)`` pairs."""
+    const: int = 0
 
 
 class _Unsupported(Exception):
@@ -271,6 +300,8 @@ class _Interpreter:
             return _Bool(out_shape, ())
         if name == "where":
             return self._additive(node, out_shape)
+        if name == "pad":
+            return self._right_padded(node, out_shape)
         if name in SHAPE_VIEWS or name == "getitem":
             return self._view(node, name, out_shape)
         raise _Unsupported(node, f"{name or node.target!r}, an op the mask prover does not model")
@@ -313,6 +344,22 @@ class _Interpreter:
         offset = len(out_shape) - len(base.shape)
         return _reaxis(base, {k: k + offset for k in range(len(base.shape))}, out_shape)
 
+    def _right_padded(self, node, out_shape):
+        """``F.pad(mask, (0, p))`` of a computed boolean mask (transformers' padding of a
+        mask narrower than the keys): False past the old width ``W`` of the last axis,
+        the atom ``ax - (W - 1) <= 0``."""
+        widths, mode, value = arg(node, 1, "pad"), arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
+        base = self.value(node.args[0], node)
+        if (not isinstance(base, _Bool) or mode != "constant" or value not in (None, 0, False) or len(widths) != 2
+                or widths[0] != 0):
+            raise _Unsupported(node, "a pad other than a boolean mask right-padded with False along its last axis")
+        last = len(out_shape) - 1
+        padded = _reaxis(base, {k: k for k in range(len(base.shape))}, out_shape)
+        if widths[1] == 0:
+            return padded
+        edge = _Atom(_prune({("ax", last): 1, CONST: 1 - base.shape[-1]}, out_shape), node)
+        return _Bool(out_shape, padded.atoms + (edge,))
+
     def _view(self, node, name, out_shape):
         source = node.args[0]
         if name == "getitem" and isinstance(source, Node):
@@ -323,6 +370,8 @@ class _Interpreter:
                 return self._key_mask_lookup(node, key_table, index, out_shape)
             if tensors and source.op == "placeholder":
                 return self._table_lookup(node, source, index, out_shape)
+            if tensors and len(tensors) == len(index):
+                return self._gather(node, self.value(source, node), index, out_shape)
         base = self.value(source, node)
         in_shape = base.shape
         if name == "getitem":
@@ -354,6 +403,54 @@ class _Interpreter:
         mapping = dict(zip(keep_in, keep_out))
         mapping.update({k: None for k in range(len(in_shape)) if k not in mapping})
         return _reaxis(base, mapping, out_shape)
+
+    def _gather(self, node, base, index: tuple, out_shape):
+        """``x[i_0, ..., i_{r-1}]`` of a computed tensor ``x`` by one integer tensor per
+        axis: entry ``o`` is ``x[i_0[o], ...]``, so axis ``k``'s term becomes ``i_k``'s
+        form.  An input read along axis ``k`` stays a read along one axis only where
+        ``i_k`` is exactly one axis of the result."""
+        if len(index) != len(base.shape):
+            raise _Unsupported(node, f"advanced indexing of a {len(base.shape)}-D tensor with {len(index)} index tensors")
+        indices = [self.value(e, node) for e in index]
+        if not all(isinstance(v, _Int) for v in indices):
+            raise _Unsupported(node, "advanced indexing with non-integer tensors")
+        _, indices = _broadcast(indices, node)
+        offset = len(out_shape) - len(indices[0].shape)
+        forms = [_reaxis(v, {k: k + offset for k in range(len(v.shape))}, out_shape).form for v in indices]
+
+        def axis_of(k: int, input_node: Node, dim: int):
+            form = forms[k]
+            ((term, coef),) = form.items() if len(form) == 1 else ((None, None),)
+            if term is not None and term[0] == "ax" and coef == 1:
+                return term[1]
+            if not form and fake_value(input_node).shape[dim] == 1:
+                return None
+            raise _Unsupported(node, (
+                f"advanced indexing that reads graph input {placeholder_name(input_node)} at "
+                f"{_describe_index(form)} (only a plain axis of the result is modelled)"))
+
+        def substitute(form: Mapping) -> dict:
+            out: dict = {}
+            for term, coef in form.items():
+                if term[0] == "ax":
+                    pieces = [(coef, forms[term[1]])]
+                elif term[0] == "in":
+                    dims = tuple(None if d is None else axis_of(d, term[1], j) for j, d in enumerate(term[2]))
+                    pieces = [(coef, {("in", term[1], dims): 1})]
+                else:
+                    pieces = [(coef, {term: 1})]
+                out = _combine((1, out), *pieces)
+            return _prune(out, out_shape)
+
+        if isinstance(base, _Int):
+            return _Int(out_shape, substitute(base.form))
+        atoms = []
+        for a in base.atoms:
+            if isinstance(a, _KeyAtom):
+                atoms.append(_KeyAtom(a.table, substitute(a.batch), substitute(a.slot), a.node))
+            else:
+                atoms.append(_Atom(substitute(a.form), a.node))
+        return _Bool(out_shape, tuple(atoms))
 
     def _key_mask_lookup(self, node, table: Node, index: tuple, out_shape):
         """``pad[batch_idx, slot_idx]``: a key-padding read; proven only if the indices
@@ -490,7 +587,9 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
                 f"only when read at [b, s] (sequence, cache slot)"))
     atoms = [(a, _canonical(a.form, mask_names)) for a in value.atoms if isinstance(a, _Atom) and a.form]
     causal = [a for a, form in atoms if form == expected]
-    extra = [a for a, form in atoms if form != expected]
+    classified = [(a, None if form == expected else _lower_bound(form)) for a, form in atoms if form != expected]
+    bounds = [bound for _, bound in classified if bound is not None]
+    extra = [a for a, bound in classified if bound is None]
     if not causal:
         found = "; ".join(f"{_describe(f)} at {where(a.node)}" for a, f in atoms) or "no condition at all"
         return MaskProof(failure=(
@@ -500,10 +599,30 @@ def prove_causal(site: Node, mask, is_causal, positions: Node, position_tags: tu
         found = "; ".join(f"{_describe(f)} at {where(a.node)}" for a, f in ((a, _canonical(a.form, mask_names)) for a in extra))
         return MaskProof(failure=(
             f"the attention mask at {where_site} restricts the causal mask further: {found} (s: cache slot, t: new "
-            f"token). Sliding-window, chunked and padding masks are not supported under DCP, which shards full "
-            f"causal attention only"))
+            f"token). Sliding-window and chunked masks are not supported under DCP, which shards full causal "
+            f"attention; padding is, as a 2-D key mask read at [b, s] or as a per-row lower bound s >= lo[b]"))
     return MaskProof(tables=tuple(dict.fromkeys(interpreter.tables)),
-                     key_masks=tuple(dict.fromkeys(a.table for a in key_atoms)))
+                     key_masks=tuple(dict.fromkeys(a.table for a in key_atoms)),
+                     key_lower_bounds=tuple(dict.fromkeys(bounds)))
+
+
+def _lower_bound(form: Mapping) -> KeyLowerBound | None:
+    """``form <= 0`` as ``s >= bound[b]`` when it is ``F(b) - s <= 0``: ``F`` a constant plus
+    integer inputs read along the batch axis only (nothing that varies with the token,
+    the head or the slot); None for any other atom."""
+    if form.get(("v", "s")) != -1:
+        return None
+    inputs, const = [], 0
+    for term, coef in form.items():
+        if term == ("v", "s"):
+            continue
+        if term == CONST:
+            const = coef
+        elif term[0] == "in" and all(d in (None, "b") for d in term[2]) and sum(d == "b" for d in term[2]) <= 1:
+            inputs.append((term[1], coef))
+        else:
+            return None
+    return KeyLowerBound(tuple(inputs), const)
 
 
 def _describe_index(form: Mapping) -> str:

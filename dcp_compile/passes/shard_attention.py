@@ -21,8 +21,11 @@ positions; a site whose mask is unproven (a sliding window, no mask, anything th
 prover does not model) raises ``GraphPatternError`` with the reason and the user's
 source line, before anything is rewritten.  A site with key-padding masks reads them at
 the positions its slots and new tokens hold, and runs both attentions as the masked
-reference (``attention_with_lse``) instead of the length-bounded kernels.  The window
-is merged once, after the gather, so it counts once.
+reference (``attention_with_lse``) instead of the length-bounded kernels.  A site whose
+only padding is a per-row lower bound (a left-padding mask in the form the prover
+proves, ``MaskProof.key_lower_bounds``) keeps the length-bounded kernels: the prefix
+reads local slots ``[prefix_starts(lower), kv_len)``, the window the new keys at
+positions ``>= lower``.  The window is merged once, after the gather, so it counts once.
 
 Never: leaves a site unreplaced, or keeps a read of a full cache buffer alive (the
 view chains feeding the old attention are erased once orphaned).
@@ -39,8 +42,8 @@ import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    BHSD_as_cache, cache_BHSD, join_heads, latent_query, merge_exchanged, merge_gathered, pack_partial, prefix_allowed,
-    prefix_lengths, split_heads, window_allowed, window_kv, window_positions,
+    BHSD_as_cache, cache_BHSD, join_heads, key_lower_bound, latent_query, merge_exchanged, merge_gathered, pack_partial,
+    prefix_allowed, prefix_lengths, prefix_starts, split_heads, window_allowed, window_kv, window_positions,
 )
 from dcp_compile.passes.find import AttentionSite, ExpandedKV, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, shape_of, where
@@ -119,16 +122,19 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             caches = [cache_view(k_write), cache_view(latent.rope_write)]
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
         key_masks = site.mask.key_masks
-        if key_masks and latent is not None:
+        if (key_masks or site.mask.key_lower_bounds) and latent is not None:
             raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
+        lower, kv_start = _lower_bound(graph, site, positions, sharding)
         if key_masks:
             slots = expanded.map.slots if expanded else fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
-            allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks), dict(sharding, slots=slots))
+            allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks),
+                                          dict(sharding, slots=slots, lower=lower))
             prefix = graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
         elif latent is not None:
             prefix = graph.call_function(LATENT_PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
         else:
-            prefix = graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
+            bound = () if kv_start is None else (kv_start,)
+            prefix = graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale, *bound))
         packed = graph.call_function(
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
@@ -138,8 +144,9 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             if latent is not None:
                 return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
             if not key_masks:
-                return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
-            allowed = graph.call_function(window_allowed, (positions, *key_masks))
+                bound = () if lower is None else (lower,)
+                return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale, *bound))
+            allowed = graph.call_function(window_allowed, (positions, *key_masks), dict(lower=lower))
             return graph.call_function(attention_with_lse, (query, new_kv[0], new_kv[1], allowed, site.scale))
 
         if layout.size == 1:
@@ -175,6 +182,20 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
     site.node.replace_all_uses_with(out)
     graph.erase_node(site.node)
     erase_dead_pure_nodes(gm, old_inputs)
+
+
+def _lower_bound(graph, site: AttentionSite, positions, sharding: dict):
+    """The site's left-padding bound as graph values: ``(lower [B] global positions,
+    kv_start [B] local slots)``, or ``(None, None)`` without one.  Several bounds meet
+    at their largest."""
+    lower = None
+    for bound in site.mask.key_lower_bounds:
+        nodes, coefs = zip(*bound.inputs) if bound.inputs else ((), ())
+        value = graph.call_function(key_lower_bound, (positions, *nodes), dict(coefs=coefs, const=bound.const))
+        lower = value if lower is None else graph.call_function(torch.maximum, (lower, value))
+    if lower is None:
+        return None, None
+    return lower, graph.call_function(prefix_starts, (lower,), sharding)
 
 
 def shard_attention(
