@@ -92,6 +92,17 @@ def _layer_types(config) -> list[str]:
     return list(types)
 
 
+def _refuse_unshardable_layers(config) -> None:
+    """Refuse layer types that are not full or sliding attention over a KV cache, with why."""
+    unknown = sorted(set(_layer_types(config)) - set(_SUPPORTED_LAYERS))
+    if unknown:
+        why = "; ".join(f"{t}: {_WHY_NOT_SHARDED.get(t, 'not a full causal attention over a KV cache')}" for t in unknown)
+        raise ValueError(
+            f"DCPStaticCache shards the caches of full causal attention layers; {type(config).__name__} has layer "
+            f"types {unknown} ({why}), which DCP does not shard"
+        )
+
+
 def cache_widths(config) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(heads, width)`` of the keys and of the values one layer caches.
 
@@ -195,14 +206,8 @@ class DCPStaticCache(Cache):
         verify_tokens: int = 0,
     ):
         config = _text_config(config)
+        _refuse_unshardable_layers(config)
         types = _layer_types(config)
-        unknown = sorted(set(types) - set(_SUPPORTED_LAYERS))
-        if unknown:
-            why = "; ".join(f"{t}: {_WHY_NOT_SHARDED.get(t, 'not a full causal attention over a KV cache')}" for t in unknown)
-            raise ValueError(
-                f"DCPStaticCache shards the caches of full causal attention layers; {type(config).__name__} has layer "
-                f"types {unknown} ({why}), which DCP does not shard"
-            )
         sharded = group is not None and group.size > 1
         layout = KVLayout(group.size, group.rank, max_cache_len, interleave) if sharded else KVLayout(1, 0, max_cache_len)
         slots = layout.local_cache_len + verify_tokens if sharded else max_cache_len
@@ -689,13 +694,7 @@ def check_shardable(config) -> None:
     types other than full causal attention (sparse, linear, chunked, hybrid) and
     sliding windows.  Reads the config only."""
     config = _text_config(config)
-    unknown = sorted(set(_layer_types(config)) - set(_SUPPORTED_LAYERS))
-    if unknown:
-        why = "; ".join(f"{t}: {_WHY_NOT_SHARDED.get(t, 'not a full causal attention over a KV cache')}" for t in unknown)
-        raise ValueError(
-            f"{type(config).__name__} has layer types {unknown} ({why}), which DCP does not shard: it shards the "
-            f"caches of full causal attention layers"
-        )
+    _refuse_unshardable_layers(config)
     _refuse_sliding(config)
 
 
