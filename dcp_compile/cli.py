@@ -391,8 +391,6 @@ def _resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
     try:
         spec = loading.resolve(args.model, args.draft)
-        if spec.draft is not None:
-            loading.check_pair(spec)
     except (FileNotFoundError, ValueError) as err:
         flags = f"--model {args.model!r}" + (f" --draft {args.draft!r}" if args.draft else "")
         parser.error(f"{flags}: {err}")

@@ -13,8 +13,9 @@
 (``EagleDraft.from_pretrained``); only an HF model takes one, since a pair brings its own.
 An HF model without a draft is decoded by DCP without speculation.
 
-``resolve`` reads configs only and refuses a bad combination with what it found and the
-fix, so a command can refuse before any rank starts; ``load`` builds the models.
+``resolve`` reads configs and weight shapes only, and refuses a bad combination (a draft
+for another model too) with what it found and the fix, so a command can refuse before any
+rank starts; ``load`` builds the models.
 """
 
 from __future__ import annotations
@@ -81,15 +82,14 @@ def resolve(model: str, draft: str | None = None) -> ModelSpec:
             f"{config_path} is neither format: it has no 'model_type' (a Hugging Face checkpoint) and no 'target' and "
             f"'draft' sections (a `dcp-compile train` directory); found the keys {sorted(config)[:12]}"
         )
-    from dcp_compile.models.eagle_checkpoint import read_config as read_draft_config, weight_files
+    from dcp_compile.models.eagle_checkpoint import weight_files
 
     weight_files(path, "model")
-    check_hf_config(path)
-    draft_path = None
-    if draft is not None:
-        draft_path = Path(draft)
-        read_draft_config(draft_path)
-    return ModelSpec(model, HF, path, draft_path)
+    config = check_hf_config(path)
+    if draft is None:
+        return ModelSpec(model, HF, path)
+    _check_draft(Path(draft), config.get_text_config(decoder=True))
+    return ModelSpec(model, HF, path, Path(draft))
 
 
 def check_hf_config(path: Path):
@@ -118,15 +118,13 @@ class _ConfiguredTarget:
     cache_shape: tuple[int, int] = (1, 1)
 
 
-def check_pair(spec: ModelSpec) -> None:
-    """Refuse a draft that cannot serve the model (another width, vocabulary or depth, an
-    extension not computed here), from the configs and weight shapes alone."""
+def _check_draft(draft: Path, config) -> None:
+    """Refuse a draft that cannot serve the model of ``config`` (another width, vocabulary or
+    depth, an extension not computed here), from the configs and weight shapes alone."""
     from dcp_compile.models.eagle_checkpoint import check, feature_layers
 
-    config = check_hf_config(spec.path).get_text_config(decoder=True)
     layers = config.num_hidden_layers
-    check(spec.draft, _ConfiguredTarget(config.vocab_size, config.hidden_size, layers,
-                                        feature_layers(spec.draft, layers)))
+    check(draft, _ConfiguredTarget(config.vocab_size, config.hidden_size, layers, feature_layers(draft, layers)))
 
 
 def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",

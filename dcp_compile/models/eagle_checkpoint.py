@@ -31,6 +31,7 @@ from types import MappingProxyType
 import torch
 
 from dcp_compile.files import read_json_object
+from dcp_compile.models.eagle import DraftConfig, EagleDraft, TargetShape, eagle3_aux_layers
 from dcp_compile.models.llama import LlamaConfig, RopeScaling
 from dcp_compile.models.rope_layout import rotate_half_to_interleaved
 
@@ -112,17 +113,18 @@ def read_config(directory) -> dict:
     return config
 
 
-def _weight_names(files: list[Path]) -> list[str]:
-    names = []
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
     for path in files:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                names += list(f.keys())
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         else:
-            names += list(torch.load(path, map_location="meta", weights_only=True))
-    return names
+            shapes.update({k: tuple(v.shape) for k, v in torch.load(path, map_location="meta",
+                                                                      weights_only=True).items()})
+    return shapes
 
 
 def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -148,8 +150,8 @@ class DraftCheckpoint:
     directory: Path
     kind: str
     config: dict
-    names: tuple[str, ...]
-    """Weight names, without a ``model.`` prefix."""
+    shapes: dict[str, tuple[int, ...]]
+    """The published weights' shapes, by name without a ``model.`` prefix."""
 
 
 def inspect(directory) -> DraftCheckpoint:
@@ -157,7 +159,8 @@ def inspect(directory) -> DraftCheckpoint:
     layouts and extensions that ``EagleDraft`` does not compute, naming them."""
     directory = Path(directory)
     config = read_config(directory)
-    names = tuple(_strip_prefix(n) for n in _weight_names(weight_files(directory)))
+    shapes = {_strip_prefix(k): v for k, v in _weight_shapes(weight_files(directory)).items()}
+    names = tuple(shapes)
     if any(n.startswith("midlayer.") for n in names):
         kind, known = EAGLE3, EAGLE3_NAMES
     elif any(n.startswith("layers.0.") for n in names):
@@ -189,13 +192,7 @@ def inspect(directory) -> DraftCheckpoint:
             f"the {kind.upper()} draft in {directory} has weights this package does not compute: {unknown[:8]}; "
             f"expected only {sorted(known)}"
         )
-    return DraftCheckpoint(directory, kind, config, names)
-
-
-def _default_eagle3_layers(n_layers: int) -> tuple[int, ...]:
-    from dcp_compile.models.eagle import eagle3_aux_layers
-
-    return eagle3_aux_layers(n_layers)
+    return DraftCheckpoint(directory, kind, config, shapes)
 
 
 def feature_layers(directory, n_layers) -> tuple[int, ...]:
@@ -204,7 +201,11 @@ def feature_layers(directory, n_layers) -> tuple[int, ...]:
     target's depth, or an HF config (its ``num_hidden_layers``)."""
     if not isinstance(n_layers, int):
         n_layers = n_layers.num_hidden_layers
-    ckpt = inspect(directory)
+    return _feature_layers(inspect(directory), n_layers)
+
+
+def _feature_layers(ckpt: DraftCheckpoint, n_layers: int) -> tuple[int, ...]:
+    directory = ckpt.directory
     if ckpt.kind == EAGLE1:
         return (n_layers,)
     config = ckpt.config
@@ -221,7 +222,7 @@ def feature_layers(directory, n_layers) -> tuple[int, ...]:
             )
         inputs = as_inputs
     if inputs is None:
-        return _default_eagle3_layers(n_layers)
+        return eagle3_aux_layers(n_layers)
     layers = tuple(int(i) for i in inputs)
     if list(layers) != sorted(set(layers)) or not all(0 <= i < n_layers for i in layers):
         raise ValueError(
@@ -270,9 +271,7 @@ def layer_config(ckpt: DraftCheckpoint, *, vocab_size: int, max_batch: int, max_
         raise ValueError(f"{where / 'config.json'} lacks {err}, which a draft's config must give") from err
 
 
-def _target_shape(target):
-    from dcp_compile.models.eagle import TargetShape
-
+def _target_shape(target) -> TargetShape:
     max_batch, max_seq_len = target.cache_shape
     return TargetShape(vocab_size=target.vocab_size, dim=target.hidden_size, n_layers=target.num_layers,
                        aux_layers=tuple(target.aux_layers), max_batch=max_batch, max_seq_len=max_seq_len)
@@ -281,11 +280,9 @@ def _target_shape(target):
 def draft_config(ckpt: DraftCheckpoint, target, state_shapes: dict[str, tuple[int, ...]]):
     """The ``DraftConfig`` of a checkpoint for ``target`` (a ``DraftHost``), with every
     width the weights have checked against the config and the target."""
-    from dcp_compile.models.eagle import DraftConfig
-
     shape = _target_shape(target)
     where = ckpt.directory
-    expected_layers = feature_layers(where, shape.n_layers)
+    expected_layers = _feature_layers(ckpt, shape.n_layers)
     if shape.aux_layers != expected_layers:
         raise ValueError(
             f"the draft in {where} reads the target's hidden states at layers {expected_layers} (layer inputs; "
@@ -333,20 +330,6 @@ def draft_config(ckpt: DraftCheckpoint, target, state_shapes: dict[str, tuple[in
     return cfg
 
 
-def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for path in files:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        else:
-            shapes.update({k: tuple(v.shape) for k, v in torch.load(path, map_location="meta",
-                                                                      weights_only=True).items()})
-    return shapes
-
-
 def _read_d2t(files: list[Path]) -> torch.Tensor | None:
     for path in files:
         if path.suffix == ".safetensors":
@@ -382,12 +365,10 @@ def check(directory, target) -> DraftPlan:
     the small ``d2t``), without reading the weights: so that a command refuses a draft
     for another target before any rank starts.  ``target`` is a ``DraftHost`` or anything
     with its shape attributes."""
-    from dcp_compile.models.eagle import EagleDraft
-
     ckpt = inspect(directory)
     names = EAGLE3_NAMES if ckpt.kind == EAGLE3 else EAGLE1_NAMES
     files = weight_files(ckpt.directory)
-    shapes = {names[_strip_prefix(k)]: v for k, v in _weight_shapes(files).items() if _strip_prefix(k) not in _IGNORED}
+    shapes = {names[k]: v for k, v in ckpt.shapes.items() if k not in _IGNORED}
     published = {v: k for k, v in names.items()}
     if "fc.weight" not in shapes:
         raise ValueError(f"the {ckpt.kind.upper()} draft in {ckpt.directory} lacks fc.weight")
@@ -407,8 +388,8 @@ def check(directory, target) -> DraftPlan:
                 f"target vocabulary [0, {cfg.target.vocab_size}) (largest id {int(target_ids.max())}): the draft was "
                 f"trained for another tokenizer"
             )
-    shared = tuple(n for n in ("embed.weight", "head.weight") if n not in shapes and (n == "embed.weight" or
-                                                                                        ckpt.kind == EAGLE1))
+    # A checkpoint without embed_tokens takes the target's; EAGLE-1 always takes its head.
+    shared = ("embed.weight",) * ("embed.weight" not in shapes) + ("head.weight",) * (ckpt.kind == EAGLE1)
     wanted = {k: tuple(v.shape) for k, v in EagleDraft(cfg, device="meta", cache_device="meta").state_dict().items()}
     if "embed.weight" in shared and wanted["embed.weight"] != (target.vocab_size, target.hidden_size):
         raise ValueError(

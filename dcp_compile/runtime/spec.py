@@ -432,7 +432,7 @@ class DeviceStep:
         if self.check_ranks:
             self.check_ranks_agree(self.verify_steps, logits, bonus)
         if self.graphs.commit_c is not None:
-            self.graphs.commit_c(state.length, torch.where(state.active, 1, 0))
+            self.graphs.commit_c(state.length, state.active.long())
         return bonus[:, None], accepted, bonus
 
     def advance(self, state: StepState, accepted: torch.Tensor, bonus: torch.Tensor, live: list[bool]) -> None:
