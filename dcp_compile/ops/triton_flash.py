@@ -51,8 +51,8 @@ is never loaded, so ``0 * NaN`` cannot happen.  A row whose running max is still
 The ops ``prefix_flash_triton`` and ``window_flash_triton`` are ``torch.library``
 triton_ops, registered the way ``triton_prefix.py`` explains: ``window_attention``
 reaches its kernel here (eager CUDA calls and ``torch.compile``), ``prefix_attention``
-through ``triton_prefix.py``, which sends chunks of more than ``SPLIT_KV_MAX_TOKENS``
-tokens to ``prefix_flash_triton`` and decode/verify steps to its split-KV kernel.
+through ``triton_prefix.py``, which sends it the steps whose tiles fill the GPU (prefill
+chunks; ``prefix_kernel``) and the others (decode, verify) to its split-KV kernel.
 Both run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the CI tests run
 them.  On the H200 at Llama-3-8B heads (bf16, D=128) they ran at 1.0-1.5x the speed
 of SDPA's FLASH backend in the window form (T = 512..4096) and 1.3-1.7x in the prefix

@@ -46,9 +46,11 @@ and the op stays opaque on CPU.  The Triton path is a separate
   sees the two kernels themselves, emits them in its own code (no Python dispatch, no
   opaque fallback node inside its CUDA graphs), and plans their buffers.
 
-Both ways pick the kernel by the number of new tokens: up to ``SPLIT_KV_MAX_TOKENS``
-this module's ``prefix_attention_triton``, beyond it (prefill chunks) the flash kernel
-``prefix_flash_triton`` of ``triton_flash.py``.
+Both ways pick the kernel by its tiles against the SMs (``prefix_kernel``): this
+module's ``prefix_attention_triton`` for decode and verify steps, and for wider steps
+while the flash kernel's tiles would fill less than half the GPU (a batch-1 tree verify
+of 64 tokens); the flash kernel ``prefix_flash_triton`` of ``triton_flash.py`` once
+they fill it (prefill chunks).
 
 Making ``prefix_attention`` itself the triton_op would also inline the torch reference
 into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``
@@ -81,8 +83,8 @@ from dcp_compile.ops.attention import (
     latent_window_attention_reference, prefix_attention, prefix_attention_reference,
 )
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    cache_length, check_index, check_inputs, check_lower, kernel_width, prefix_flash_triton, scan_block,
-    window_bounds,
+    cache_length, check_index, check_inputs, check_lower, flash_config, kernel_width, prefix_flash_triton,
+    scan_block, window_bounds,
 )
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,12 +102,29 @@ MAX_SPLITS = 64
 DEFAULT_SM_COUNT = 132
 """SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
 SPLIT_KV_MAX_TOKENS = 16
-"""New tokens up to which a CUDA ``prefix_attention`` runs this module's split-KV kernel
-(decode, verify: bound by reading the cache once); longer chunks go to the flash
-kernel of ``triton_flash.py``.  That kernel does not split the cache, so it fills the
-GPU only once its ``B * Hkv * ceil(G * T / 128)`` tiles reach about half the SMs: on
-the H200 at Hq=32, Hkv=8, S=64K the two broke even at T=32 for B=8 (flash 2x faster
-from T=64), while for B=1 this kernel stayed ahead up to T=256 (4x at T=32)."""
+"""New tokens up to which a CUDA ``prefix_attention`` always runs this module's split-KV
+kernel (decode, short verify steps: bound by reading the cache once, and the kernel the
+split plan was tuned on)."""
+FLASH_FILL = 0.5
+"""Wider steps (tree verifies, prefill chunks) go to the flash kernel of
+``triton_flash.py`` once its tiles (``B * Hkv * ceil(G * T / BLOCK_M)``) reach this share
+of the SMs, and stay on the split-KV kernel below it.  The flash kernel does not split
+the cache, so with few tiles it leaves most SMs idle and reads each KV head's whole
+shard on one SM: on the H200 at Hq=32, Hkv=8, S=64K, batch 1 (8 tiles) it took 1.12 ms
+at every T from 4 to 64, against 0.09-0.31 ms for the split-KV kernel; at batch 8, T=64
+(128 tiles) it was 2.1x faster than the split-KV kernel."""
+
+
+def prefix_kernel(batch: int, q_heads: int, kv_heads: int, tokens: int, head_dim: int, element_size: int,
+                  sm_count: int) -> str:
+    """``"split"`` or ``"flash"``: the prefix kernel a step of ``tokens`` new tokens per
+    sequence runs (``SPLIT_KV_MAX_TOKENS``, ``FLASH_FILL``).  Shapes only, so the choice
+    is fixed when a graph is traced."""
+    if tokens <= SPLIT_KV_MAX_TOKENS:
+        return "split"
+    block_m = flash_config(head_dim, element_size, window=False)[0]
+    tiles = batch * kv_heads * triton.cdiv((q_heads // kv_heads) * tokens, block_m)
+    return "flash" if tiles >= FLASH_FILL * sm_count else "split"
 
 
 @triton.jit
@@ -274,16 +293,17 @@ def _splits_of(blocks: int, num_splits: int, block_s: int) -> tuple[int, int]:
     return triton.cdiv(blocks, split_blocks), split_blocks * block_s
 
 
+def sm_count_of(device: torch.device) -> int:
+    """The SMs of a CUDA device; ``DEFAULT_SM_COUNT`` for CPU tensors (interpreter runs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
+
+
 def _num_splits(q: torch.Tensor, kv_heads: int, row_blocks: int, capacity: int, block_s: int,
                 num_splits: int | None) -> int:
     """Slices per sequence (and KV head): ``split_plan``'s, or the caller's, checked."""
     B = int(q.shape[0])
     if num_splits is None:
-        sm_count = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count
-            if q.device.type == "cuda" else DEFAULT_SM_COUNT
-        )
-        return split_plan(B, kv_heads, row_blocks, capacity, block_s, sm_count)[0]
+        return split_plan(B, kv_heads, row_blocks, capacity, block_s, sm_count_of(q.device))[0]
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     return _splits_of(triton.cdiv(max(capacity, 1), block_s), num_splits, block_s)[0]
@@ -359,7 +379,8 @@ def prefix_attention_triton(
         DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
-    # A step's output (at most SPLIT_KV_MAX_TOKENS tokens) is small next to the cache.
+    # A step's output (a few hundred rows at most: wider steps fill the GPU and go to the
+    # flash kernel) is small next to the cache.
     return (out if DV == D else out[..., :DV].contiguous()), lse
 
 
@@ -612,15 +633,20 @@ _register_latent(latent_prefix_attention, latent_prefix_attention_reference, lat
 _register_latent(latent_window_attention, latent_window_attention_reference, latent_window_attention_triton)
 
 
-def _kernel_for(q: torch.Tensor):
-    """The split-KV kernel for decode and verify steps, the flash kernel for prefill chunks."""
-    return prefix_attention_triton if q.shape[2] <= SPLIT_KV_MAX_TOKENS else prefix_flash_triton
+def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The split-KV kernel while a step's flash tiles would leave the GPU half idle
+    (decode, verify steps, small batches of wide tree verifies), the flash kernel once
+    they fill it (prefill chunks, wide steps at larger batches): ``prefix_kernel``."""
+    B, Hq, T = (int(n) for n in q.shape[:3])
+    width = kernel_width(int(k_cache.shape[-1]), int(v_cache.shape[-1]))
+    choice = prefix_kernel(B, Hq, int(k_cache.shape[1]), T, width, q.element_size(), sm_count_of(q.device))
+    return prefix_attention_triton if choice == "split" else prefix_flash_triton
 
 
 def prefix_attention_any_width(q, k_cache, v_cache, kv_len, scale, kv_start=None):
     """The prefix kernel the registered op runs on CUDA (``_kernel_for``), for keys and
     values of any widths up to 256."""
-    return _kernel_for(q)(q, k_cache, v_cache, kv_len, scale, kv_start=kv_start)
+    return _kernel_for(q, k_cache, v_cache)(q, k_cache, v_cache, kv_len, scale, kv_start=kv_start)
 
 
 def _cuda_form(q, k_cache, v_cache):

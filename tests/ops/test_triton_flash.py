@@ -259,12 +259,12 @@ def test_bad_inputs_are_refused_with_what_was_expected(call, args, error, match)
         call(**args())
 
 
-def _trace(op, device, t):
+def _trace(op, device, t, batch=2):
     """The graph AOTAutograd hands its backend for one call of ``op`` with ``t`` new tokens."""
     with FakeTensorMode():
-        q = torch.empty(2, 8, t, 64, device=device, dtype=torch.bfloat16)
-        kv = torch.empty(2, 2, t if op == "window" else 300, 64, device=device, dtype=torch.bfloat16)
-        meta = torch.empty((2, t) if op == "window" else (2,), device=device, dtype=torch.int64)
+        q = torch.empty(batch, 8, t, 64, device=device, dtype=torch.bfloat16)
+        kv = torch.empty(batch, 2, t if op == "window" else 300, 64, device=device, dtype=torch.bfloat16)
+        meta = torch.empty((batch, t) if op == "window" else (batch,), device=device, dtype=torch.int64)
 
     def f(q, k, v, meta):
         return getattr(torch.ops.dcp, f"{op}_attention")(q, k, v, meta, SCALE)
@@ -288,14 +288,20 @@ def _calls(graph):
     return names
 
 
-@pytest.mark.parametrize("op,t,kernels", [
-    ("window", 1, ["_flash_fwd_kernel"]),
-    ("window", 100, ["_flash_fwd_kernel"]),
-    ("prefix", SPLIT_KV_MAX_TOKENS, ["_prefix_split_kernel", "_merge_splits_kernel"]),
-    ("prefix", SPLIT_KV_MAX_TOKENS + 1, ["_flash_fwd_kernel"]),
+SPLIT = ["_prefix_split_kernel", "_merge_splits_kernel"]
+
+
+@pytest.mark.parametrize("op,batch,t,kernels", [
+    ("window", 2, 1, ["_flash_fwd_kernel"]),
+    ("window", 2, 100, ["_flash_fwd_kernel"]),
+    ("prefix", 2, SPLIT_KV_MAX_TOKENS, SPLIT),  # decode and chain verify: always split-KV
+    ("prefix", 64, SPLIT_KV_MAX_TOKENS, ["_prefix_split_kernel"]),  # 128 programs: no slices to merge
+    ("prefix", 2, 64, SPLIT),  # a wide verify whose flash tiles (4) would leave the GPU idle
+    ("prefix", 64, SPLIT_KV_MAX_TOKENS + 1, ["_flash_fwd_kernel"]),  # 128 flash tiles fill it
+    ("prefix", 2, 2048, ["_flash_fwd_kernel"]),  # a prefill chunk: 128 tiles
 ])
-def test_compiled_cuda_graph_holds_the_right_triton_kernel(op, t, kernels):
-    calls = _calls(_trace(op, "cuda", t))
+def test_compiled_cuda_graph_holds_the_right_triton_kernel(op, batch, t, kernels):
+    calls = _calls(_trace(op, "cuda", t, batch))
     assert f"dcp.{op}_attention.default" not in calls
     assert [c for c in calls if c.startswith("_")] == kernels
 

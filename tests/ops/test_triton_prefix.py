@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dcp_compile.ops.triton_prefix import MAX_SPLITS, prefix_attention_triton, split_plan
+from dcp_compile.ops.triton_prefix import MAX_SPLITS, SPLIT_KV_MAX_TOKENS, prefix_attention_triton, prefix_kernel, split_plan
 from tests.ops.test_attention import attention_float64
 
 WORKER = Path(__file__).with_name("triton_interpret.py")
@@ -63,6 +63,8 @@ def build_cases():
             for dtype in (torch.float32, torch.bfloat16):
                 cases[f"t{t}-g{g}-{str(dtype)[6:]}"] = make_case(t * 10 + g, t=t, g=g, dtype=dtype)
     # kv_len 0, S, and lengths that end mid-block, with every split layout.
+    # A tree verify wider than one program's rows: 4 x 24 rows over two row blocks.
+    cases["wide-verify-row-blocks"] = make_case(7, t=24, g=4, num_splits=2)
     cases["one-split"] = make_case(1, t=5, num_splits=1)
     cases["splits-past-length"] = make_case(2, t=5, s=256, kv_len=(0, 256, 77), num_splits=8, block_s=32)
     cases["uneven-splits"] = make_case(3, t=1, s=200, kv_len=(199, 0, 33), num_splits=3, block_s=16)
@@ -149,6 +151,19 @@ def test_split_plan_covers_the_cache_in_one_wave(batch, capacity):
     assert programs <= sms or num_splits == 1
     if -(-capacity // block) >= sms:  # long enough to split: more than half the SMs busy
         assert programs > sms // 2
+
+
+@pytest.mark.parametrize("batch,tokens,expected", [
+    (1, 4, "split"), (64, SPLIT_KV_MAX_TOKENS, "split"),  # decode and chain verify, any batch
+    (1, 32, "split"), (1, 64, "split"), (1, 256, "split"),  # 8 to 64 flash tiles of 132 SMs
+    (8, 64, "flash"), (4, 128, "flash"), (1, 512, "flash"),  # 128 tiles: a full wave
+])
+def test_prefix_kernel_is_chosen_by_its_tiles_against_the_sms(batch, tokens, expected):
+    """Llama-3-8B heads (32 / 8, bf16 D=128) on 132 SMs: the flash kernel only once its
+    ``B * Hkv * ceil(G * T / 128)`` tiles reach half the SMs."""
+    assert prefix_kernel(batch, 32, 8, tokens, 128, 2, sm_count=132) == expected
+    if expected == "flash" and tokens > SPLIT_KV_MAX_TOKENS:  # twice the SMs: split again
+        assert prefix_kernel(batch, 32, 8, tokens, 128, 2, sm_count=2 * 132 * 2) == "split"
 
 
 def _trace(device, cuda_sm_count=132):
