@@ -71,12 +71,16 @@ FAMILIES = {"llama3-8b": ("LlamaConfig", "LlamaForCausalLM", LLAMA3_8B, SMALL),
             "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE, SMALL_DEEPSEEK)}
 
 
-def build_model(family: str, small: bool, group: DCPGroup, dtype: torch.dtype):
+def build_model(family: str, small: bool, group: DCPGroup, dtype: torch.dtype, layers: int | None = None):
+    """A random-init transformers model of ``family``'s shapes (``layers``: fewer decoder layers)."""
     import transformers
 
     config_class, model_class, shapes, small_shapes = FAMILIES[family]
-    config = getattr(transformers, config_class)(**(small_shapes if small else shapes),
-                                                 max_position_embeddings=1 << 17, attn_implementation="sdpa")
+    shapes = dict(small_shapes if small else shapes)
+    if layers is not None:
+        shapes["num_hidden_layers"] = layers
+    config = getattr(transformers, config_class)(**shapes, max_position_embeddings=1 << 17,
+                                                 attn_implementation="sdpa")
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -173,3 +173,38 @@ def test_the_hf_one_gpu_benchmark_runs_transformers_latent_attention_both_ways()
         assert row["max_logit_gap"] < 1e-4 and row["argmax_agreement"] == 1.0
         assert row["cascade_ms"] > 0 and row["plain_ms"] > 0
         assert row["ratio"] == pytest.approx(row["cascade_ms"] / row["plain_ms"], abs=2e-3)
+
+
+def test_the_verify_width_benchmark_reports_the_chosen_kernel_against_both(tmp_path):
+    import subprocess
+
+    out = tmp_path / "verify_width.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_verify_width.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = json.loads(out.read_text())["points"]
+    assert [(p["batch"], p["tokens"]) for p in points] == [(1, 4), (1, 24), (2, 4), (2, 24)]
+    for p in points:
+        assert p["choice"] == "split"  # interpreter runs assume 132 SMs: a few tiles never fill them
+        assert p["chosen_over_best"] == pytest.approx(p["chosen_ms"] / min(p["split_ms"], p["flash_ms"]), abs=2e-3)
+    assert [p["chosen_over_narrowest"] for p in points if p["tokens"] == 4] == [1.0, 1.0]
+
+
+def test_the_hf_generate_speed_benchmark_times_both_arms_at_cpu_size():
+    """``gpu_hf_generate_speed.py --small``: both arms on every width and batch kind, the
+    ratios computed from what was timed, and a new width compiling nothing."""
+    import subprocess
+
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_hf_generate_speed.py"), "--small"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    keys = ["40/padded", "40/full", "90/padded", "90/full"]
+    assert list(report["dcp"]) == list(report["transformers"]) == keys
+    assert all(report["dcp"][key]["graphs"] == 0 for key in keys)  # no compile after the warm-up
+    assert report["first_logits_vs_transformers_eager"]["dcp"] < 1e-4  # fp32 on CPU
+    assert report["argmax_equal_to_eager"]["dcp"] == report["argmax_equal_to_eager"]["of"] == 4
+    for key in keys:
+        assert report["dcp_over_transformers"][key]["call"] == pytest.approx(
+            report["dcp"][key]["call_s"] / report["transformers"][key]["call_s"], abs=2e-3)
