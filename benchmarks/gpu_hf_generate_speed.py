@@ -85,6 +85,7 @@ def measure(generate, widths, args, vocab, device, graphs) -> dict:
                 first_call_s=round(first, 4), call_s=round(long_s, 4), short_call_s=round(short_s, 4),
                 decode_step_ms=round(1e3 * (long_s - short_s) / (args.new_tokens - args.short_new_tokens), 3),
                 graphs=graphs())
+            print(f"  {width}/{kind}: {rows[f'{width}/{kind}']}", flush=True)
     return rows
 
 
