@@ -143,7 +143,7 @@ def main() -> int:
     )
     print("transformers' generate() with its compiled static cache ...", flush=True)
     start = time.perf_counter()
-    transformers_generate(*probe, 2)
+    transformers_generate(*(t.to(device) for t in probe), 2)
     report["transformers_warmup_s"] = round(time.perf_counter() - start, 2)
     graphs_before = graphs()
     report["transformers"] = measure(transformers_generate, widths, args, model.config.vocab_size, device,
@@ -159,7 +159,7 @@ def main() -> int:
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **options, **extra)
 
     start = time.perf_counter()
-    dcp_generate(*probe, 2)
+    dcp_generate(*(t.to(device) for t in probe), 2)
     report["dcp_warmup_s"] = round(time.perf_counter() - start, 2)
     graphs_before = graphs()
     report["dcp"] = measure(dcp_generate, widths, args, model.config.vocab_size, device,

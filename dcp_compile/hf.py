@@ -565,7 +565,7 @@ def _prefill_in_chunks(model: nn.Module, state: _GenerateState):
         batch, width = input_ids.shape
         rows, capacity = cache.store.k_0.shape[0], cache.max_cache_len
         mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
-        _check_request(batch, width, mask, rows, capacity)
+        _check_request(input_ids, mask, rows, capacity, cache.store.k_0.device)
         if generation_config.max_length > capacity:
             raise ValueError(
                 f"the prompt of {width} tokens plus the new ones make max_length={generation_config.max_length}, past "
@@ -609,8 +609,15 @@ def _prefill_in_chunks(model: nn.Module, state: _GenerateState):
     return prefill
 
 
-def _check_request(batch: int, width: int, attention_mask, rows: int, capacity: int) -> None:
+def _check_request(ids: torch.Tensor, attention_mask, rows: int, capacity: int, device: torch.device) -> None:
     """What a ``generate`` call must satisfy before anything is written."""
+    batch, width = ids.shape
+    for name, tensor in (("input_ids", ids), ("attention_mask", attention_mask)):
+        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+            raise ValueError(
+                f"generate() under DCP takes {name} on the model's device ({device}), got it on {tensor.device}: "
+                f"the compiled graphs are fixed to their device. Move the inputs with .to(model.device)"
+            )
     if batch > rows:
         raise ValueError(
             f"generate() got a batch of {batch} rows (num_return_sequences multiplies them), but the DCPStaticCache "
@@ -676,8 +683,8 @@ def _refusing_unsupported_modes(generate, model, state: _GenerateState):
             cache = state.cache
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            _check_request(ids.shape[0], ids.shape[1], kwargs.get("attention_mask"), cache.store.k_0.shape[0],
-                           cache.max_cache_len)
+            _check_request(ids, kwargs.get("attention_mask"), cache.store.k_0.shape[0], cache.max_cache_len,
+                           cache.store.k_0.device)
         if not passed:
             kwargs[state.cache_kwarg] = cache
         state.lower, state.fresh = None, not passed

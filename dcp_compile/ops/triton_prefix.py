@@ -341,6 +341,7 @@ def prefix_attention_triton(
     num_splits: int | None = None,
     block_s: int | None = None,
     kv_start: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
@@ -350,6 +351,8 @@ def prefix_attention_triton(
     per sequence and KV head, at most ``MAX_SPLITS``) and ``block_s`` (slots per loop
     step: 16, 32, 64 or 128) override ``split_plan`` and ``default_block_s``, for tests
     and tuning.  ``kv_start [B]``: slots ``[kv_start[b], kv_len[b])`` (a left-padding bound).
+    ``rows`` (query rows a program holds: 16, 32, 64 or 128) overrides ``MAX_ROWS``, for
+    tuning wide verify steps; 128 rows take two pipeline stages to fit shared memory.
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
     check_lower("prefix_attention", "kv_start", kv_start, q)
@@ -366,7 +369,9 @@ def prefix_attention_triton(
             f"block_s must be one of 16, 32, 64, 128 and at most {default_block_s(D, q.element_size())} for "
             f"D={D} in {q.dtype}, got {block_s}"
         )
-    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(G * T)))
+    if rows is not None and rows not in (16, 32, 64, 128):
+        raise ValueError(f"rows must be one of 16, 32, 64, 128, got {rows}")
+    rows = min(rows or MAX_ROWS, max(16, triton.next_power_of_2(G * T)))
     row_blocks = triton.cdiv(G * T, rows)
     num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, num_splits)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
@@ -376,7 +381,8 @@ def prefix_attention_triton(
         S, T, G, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES if rows <= MAX_ROWS else 2,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     # A step's output (a few hundred rows at most: wider steps fill the GPU and go to the

@@ -156,6 +156,8 @@ def serving_worker(rank: int, size: int, n_widths: int, n_sampled: int, eos_toke
         wide_ids, attention_mask=wide_mask, max_new_tokens=NEW_TOKENS, pad_token_id=0))
     attempt("mask of another width", lambda: model.generate(
         ids, attention_mask=mask[:, 1:], max_new_tokens=3, pad_token_id=0))
+    attempt("ids on another device", lambda: model.generate(
+        ids.to("meta"), attention_mask=mask, max_new_tokens=3, pad_token_id=0))
     attempt("transformers' StaticCache", lambda: model.generate(
         ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0,
         **{cache_kwarg(model): StaticCache(config=model.config, max_cache_len=MAX_SEQ_LEN)}))

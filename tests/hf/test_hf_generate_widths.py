@@ -99,6 +99,7 @@ REFUSALS = {
     "batch larger than the cache": "batch of 3 rows",
     "prompt plus new tokens past the cache": "past the cache's max_cache_len=64",
     "mask of another width": "attention_mask must be [batch, tokens] = [2, 20]",
+    "ids on another device": "takes input_ids on the model's device (cpu), got it on meta",
     "transformers' StaticCache": "takes a DCPStaticCache, got",
     "no cache, none sized": "compile_for_generate(model, group, max_batch_size=B, max_cache_len=S)",
 }
