@@ -11,10 +11,12 @@ from dcp_compile.layout import KVLayout
 from dcp_compile.memory import CapacityError, MemoryPlan, MemoryPlanner, device_budget, plan_memory
 from dcp_compile.runtime import DCPGroup, Prepared, init_group, prepare
 from dcp_compile.runtime.commit import KVCommit
-from dcp_compile.runtime.spec import RequestOutput, SpecDecoder
+from dcp_compile.runtime.engine import RequestOutput, generate_all
+from dcp_compile.runtime.spec import SpecDecoder
 
 __all__ = [
     "Backend", "CapacityError", "DCPGroup", "KVCommit", "KVLayout", "MemoryPlan", "MemoryPlanner", "Prepared",
-    "RequestOutput", "SpecDecoder", "backend", "device_budget", "init_group", "ops", "plan_memory", "prepare",
+    "RequestOutput", "SpecDecoder", "backend", "device_budget", "generate_all", "init_group", "ops", "plan_memory",
+    "prepare",
 ]
 __version__ = "0.1.0"

@@ -108,6 +108,8 @@ def _describe(spec) -> str:
 
 def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     """Load, compile (warm-up call) and time one arm; returns its outputs and numbers."""
+    from dcp_compile.runtime.engine import generate_all
+
     device = group.device
     k = _draft_tokens(args)
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + k + 1
@@ -116,7 +118,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     close = _compile_progress(decoder, f"  {name}: compiling", talk)
     start = time.perf_counter()
     try:
-        decoder.generate(prompts, k + 2, stop_ids=stops)
+        generate_all(decoder, prompts, k + 2, stop_ids=stops)
     finally:
         close()
     compile_s = time.perf_counter() - start
@@ -125,7 +127,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    outputs = decoder.generate(prompts, args.max_new_tokens, stop_ids=stops, on_tokens=stream)
+    outputs = generate_all(decoder, prompts, args.max_new_tokens, stop_ids=stops, on_tokens=stream)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -217,12 +219,14 @@ def demo(args: argparse.Namespace) -> int:
 def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]:
     from tqdm.auto import tqdm
 
+    from dcp_compile.runtime.engine import generate_all
+
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + _draft_tokens(args) + 1
     batch = min(args.batch, len(prompts))
     decoder = _decoder(args, group, max_batch=batch, max_seq_len=max_seq_len)
     tokens, accepted = [], []
     for start in tqdm(range(0, len(prompts), batch), desc=label, unit="batch", disable=not talk, leave=False):
-        for out in decoder.generate(prompts[start : start + batch], args.max_new_tokens):
+        for out in generate_all(decoder, prompts[start : start + batch], args.max_new_tokens):
             tokens.append(out.tokens)
             accepted.append(out.accepted)
     return tokens, accepted

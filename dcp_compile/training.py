@@ -319,7 +319,7 @@ def measure_acceptance(
     decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=batch, max_seq_len=max_seq_len, lowering=lowering)
     accepted = []
     for start in range(0, n_prompts, batch):
-        for out in decoder.generate(prompts[start : start + batch], new_tokens):
+        for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens):
             accepted += out.accepted
     return dict(k=k, prompts=n_prompts, prompt_bytes=prompt_bytes, new_tokens=new_tokens, verify_steps=len(accepted),
                 mean_accept_length=sum(a + 1 for a in accepted) / len(accepted),

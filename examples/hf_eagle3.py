@@ -79,7 +79,7 @@ def main():
     draft = EagleDraft.from_pretrained(args.draft, target, dtype=dtype, device=device)
     decoder = dcp.SpecDecoder(target, draft, group, k=4, max_batch=max_batch, max_seq_len=max_seq_len,
                               lowering="aot_eager" if device.type == "cpu" else "inductor")
-    outputs = decoder.generate(prompts, args.max_new_tokens, stop_ids=eos_ids)
+    outputs = dcp.generate_all(decoder, prompts, args.max_new_tokens, stop_ids=eos_ids)
 
     for i, (out, want) in enumerate(zip(outputs, expected)):
         if out.tokens != want:

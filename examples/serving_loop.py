@@ -6,7 +6,7 @@ scheduler thread does: each step it adds the requests that arrived, calls
 ``engine.step()`` and streams every request's new tokens from the events it returns.
 With two rows for three requests, the third waits in the queue until the abort of the
 second frees a row. At the end every finished request's tokens are checked against the
-same prompts decoded as one static batch (``decoder.generate``); the aborted one must be
+same prompts decoded as one static batch (``dcp.generate_all``); the aborted one must be
 a prefix of its own.
 
 Every rank runs this same loop and makes the same calls (SPMD); rank 0 prints. (For a
@@ -70,7 +70,7 @@ def main():
                 for rid, e in events.items()), flush=True)
         step += 1
 
-    static = decoder.generate([codec.encode(prompts[rid]) for rid in sorted(prompts)], args.max_new_tokens, eos_id=EOS)
+    static = dcp.generate_all(decoder, [codec.encode(prompts[rid]) for rid in sorted(prompts)], args.max_new_tokens, eos_id=EOS)
     for rid, out in enumerate(static):
         same = tokens[rid] == out.tokens if ends[rid] != "aborted" else tokens[rid] == out.tokens[: len(tokens[rid])]
         if not same:

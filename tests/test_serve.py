@@ -51,7 +51,7 @@ def offline():
                               max_seq_len=MAX_SEQ_LEN, lowering="aot_eager")
 
     def texts(prompts, max_tokens):
-        outputs = [decoder.generate([p], n, eos_id=0)[0] for p, n in zip(prompts, max_tokens)]
+        outputs = [dcp.generate_all(decoder, [p], n, eos_id=0)[0] for p, n in zip(prompts, max_tokens)]
         return [(bytes(t for t in o.tokens if t != 0).decode("utf-8", "replace"), o.finished_by) for o in outputs]
 
     return texts

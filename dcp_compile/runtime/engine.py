@@ -10,7 +10,7 @@ decoder's step, so arrivals and departures neither recompile nor recapture.
 
 Every rank must take the same decisions.  Two ways to arrange it:
 
-- every rank makes the same calls (``SpecDecoder.generate`` does: SPMD);
+- every rank makes the same calls (``generate_all`` does: SPMD);
 - ``leader=True``: rank 0 alone takes requests and aborts; each ``step`` starts with one
   fixed-size broadcast from rank 0 saying what the step admits and aborts (then the
   admitted prompts' tokens), and the other ranks run ``follow()`` until rank 0 calls
@@ -23,14 +23,16 @@ import math
 import struct
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dcp_compile.runtime.spec import Noise, SpecDecoder, StepState, tokens_prefilled
+from dcp_compile.runtime.generate import tokens_prefilled
+from dcp_compile.runtime.sampling import Noise
+from dcp_compile.runtime.spec import SpecDecoder, StepState
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,23 @@ class StepEvent:
     """Draft tokens the target accepted in this step's verify (empty on admission)."""
     finished_by: str | None = None
     """``"eos"``, ``"length"`` or ``"aborted"`` when the request ended in this step."""
+
+
+@dataclass
+class RequestOutput:
+    tokens: list[int] = field(default_factory=list)
+    """Generated tokens (target vocabulary), EOS included when it ended the request."""
+    accepted: list[int] = field(default_factory=list)
+    """Per verify step: how many draft tokens the target accepted (0..k)."""
+    finished_by: str = ""
+    """``"eos"``, ``"length"`` or ``"refused"``."""
+    error: str | None = None
+    """Why the request was refused at admission."""
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens per verify step: accepted drafts plus the target's own token."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
 @dataclass
@@ -410,3 +429,40 @@ class SpecEngine:
         if self.leader and self.is_leader and not self.stopped:
             self._broadcast(_Plan(stop=True))
         self.stopped = True
+
+
+@torch.no_grad()
+def generate_all(
+    decoder: SpecDecoder,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> list[RequestOutput]:
+    """Decode every prompt with ``decoder``; ``on_tokens(request, new_tokens)`` streams as
+    tokens are accepted.  ``eos_id`` and every id in ``stop_ids`` (a model's EOS ids) end a
+    request.  Every rank must pass the same prompts.  A loop over a fresh ``SpecEngine``
+    (its generator seeded with the decoder's ``seed``): more prompts than ``max_batch``
+    queue, and start as earlier ones finish."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    engine = SpecEngine(decoder, stop_ids=frozenset(stop_ids))
+    outputs = [RequestOutput() for _ in prompts]
+    ids: dict[int, int] = {}
+    for i, prompt in enumerate(prompts):
+        try:
+            ids[engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, eos_id=eos_id))] = i
+        except ValueError as error:
+            outputs[i].finished_by, outputs[i].error = "refused", str(error)
+    while engine.has_work():
+        for request_id, event in engine.step().items():
+            i = ids[request_id]
+            outputs[i].tokens += event.tokens
+            outputs[i].accepted += event.accepted
+            if event.tokens and on_tokens is not None:
+                on_tokens(i, event.tokens)
+            if event.finished_by:
+                outputs[i].finished_by = event.finished_by
+    return outputs

@@ -97,6 +97,12 @@ def prefill_chunks(
         )
 
 
+def tokens_prefilled(length: int, chunk_size: int, max_chunks: int | None) -> int:
+    """How many of ``length`` prompt tokens a prefill of at most ``max_chunks`` chunks
+    (``None``: all of them) feeds."""
+    return length if max_chunks is None else min(length, max_chunks * chunk_size)
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``tokens [B, T]``, ``positions [B, T]`` and prompt ``lengths [B]``."""
     lengths = prompt_lengths(prompts)

@@ -18,22 +18,22 @@ One step, for every sequence of the batch at once (static shapes, ragged counts)
 The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1`` and
 proposes token ``p + 2`` (the EAGLE convention).
 
-Sampling runs on the device: every random number comes from device generators seeded
-identically on all ranks (``Noise``), and the merged logits are bitwise the same on all
-ranks, so every rank accepts the same tokens without communicating.  The host reads
-one small tensor per step (the emitted tokens and the accept counts).
+Sampling runs on the device (``sampling``: seeded ``Noise`` alike on every rank, and the
+acceptance rule), so every rank accepts the same tokens without communicating.  The host
+reads one small tensor per step (the emitted tokens and the accept counts).
 
 Three parts: ``SpecGraphs`` prepares the models and compiles the step graphs (after
 ``SpecDecoder`` has checked every argument); ``DeviceStep`` runs a prefill or a
-speculative step on the device; ``engine.SpecEngine`` keeps the requests on the host
-and admits them into rows.  ``SpecDecoder.generate`` is a loop over an engine.  Models meet the decoder through
-a small protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
+speculative step on the device; ``engine.SpecEngine``, which uses a decoder and is never
+used by it, keeps the requests on the host and admits them into rows
+(``engine.generate_all`` is a loop over one).  Models meet the decoder through a small
+protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,9 +41,10 @@ from torch import nn
 
 from dcp_compile.backend import backend as make_backend
 from dcp_compile.runtime.commit import KVCommit
-from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks
+from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks, tokens_prefilled
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
+from dcp_compile.runtime.sampling import Noise, accept_chain, probs_at, row_temperatures, sample_from
 
 
 class SpecTarget(Protocol):
@@ -65,143 +66,6 @@ class SpecDraft(Protocol):
     dtype: torch.dtype
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass
-class RequestOutput:
-    tokens: list[int] = field(default_factory=list)
-    """Generated tokens (target vocabulary), EOS included when it ended the request."""
-    accepted: list[int] = field(default_factory=list)
-    """Per verify step: how many draft tokens the target accepted (0..k)."""
-    finished_by: str = ""
-    """``"eos"``, ``"length"`` or ``"refused"``."""
-    error: str | None = None
-    """Why the request was refused at admission."""
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens per verify step: accepted drafts plus the target's own token."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-
-def _probs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
-def tokens_prefilled(length: int, chunk_size: int, max_chunks: int | None) -> int:
-    """How many of ``length`` prompt tokens a prefill of at most ``max_chunks`` chunks
-    (``None``: all of them) feeds."""
-    return length if max_chunks is None else min(length, max_chunks * chunk_size)
-
-
-class Noise:
-    """The sampler's random numbers, on the device.  One generator, seeded alike on every
-    rank, serves the batch; a request with its own ``seed`` draws its row from a generator
-    of its own, so its tokens depend on its seed alone, not on the requests it shares a
-    batch with.  Every rank makes the same draws, so ranks agree without communicating."""
-
-    def __init__(self, device: torch.device, seed: int):
-        self.device = device
-        self.shared = torch.Generator(device=device).manual_seed(seed)
-        self.rows: dict[int, torch.Generator] = {}
-
-    def seed_row(self, row: int, seed: int | None) -> None:
-        if seed is None:
-            self.rows.pop(row, None)
-        else:
-            self.rows[row] = torch.Generator(device=self.device).manual_seed(seed)
-
-    def exponential(self, like: torch.Tensor) -> torch.Tensor:
-        """Exponential(1) draws shaped as ``like [B, ...]``, row ``b`` from its own generator."""
-        draws = torch.empty_like(like).exponential_(1.0, generator=self.shared)
-        for row, generator in self.rows.items():
-            draws[row].exponential_(1.0, generator=generator)
-        return draws
-
-    def uniform(self, *shape: int) -> torch.Tensor:
-        draws = torch.rand(*shape, generator=self.shared, device=self.device)
-        for row, generator in self.rows.items():
-            draws[row] = torch.rand(*shape[1:], generator=generator, device=self.device)
-        return draws
-
-
-def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [..., V]``, on the device: the first of V exponential
-    clocks with rates ``probs`` to ring, ``argmax(probs / E)``, is distributed as
-    ``probs``, with no host sync (``torch.multinomial`` on CUDA synchronizes)."""
-    if isinstance(noise, Noise):
-        clocks = noise.exponential(probs)
-    else:
-        clocks = torch.empty_like(probs).exponential_(1.0, generator=noise)
-    return (probs / clocks).argmax(-1)
-
-
-def _uniform(noise: Noise | torch.Generator | None, B: int, k: int, device) -> torch.Tensor:
-    if isinstance(noise, Noise):
-        return noise.uniform(B, k)
-    return torch.rand(B, k, generator=noise, device=device)
-
-
-def _row_temperatures(temperature: float | torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
-    """``(divisor, sampled rows)``: a per-row temperature tensor ``[B]`` becomes a divisor
-    ``[B, 1, ...]`` shaped for ``logits`` (greedy rows divide by 1, their samples unused)
-    and a ``[B]`` mask of the rows that sample; a float stays as it is."""
-    if not isinstance(temperature, torch.Tensor):
-        return temperature, None
-    sampled = temperature > 0
-    divisor = torch.where(sampled, temperature, 1.0).view(-1, *([1] * (logits.dim() - 1)))
-    return divisor, sampled
-
-
-def accept_chain(
-    target_logits: torch.Tensor,
-    drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: float | torch.Tensor,
-    generator: Noise | torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """How many of ``drafts [B, k]`` the target accepts, and the token that follows them.
-
-    ``target_logits [B, k+1, V]``: the target's logits after ``t0, d1..dk``.
-    ``temperature``: one for the batch, or ``[B]`` per row (0: that row is greedy).
-
-    Greedy (temperature 0): accept ``d_j`` while it equals the target's argmax; the
-    next token is the target's argmax after the last accepted draft.
-
-    Sampling: accept ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
-    first rejection sample from ``norm(max(0, p_j - q_j))``; if all ``k`` are accepted,
-    sample the bonus from ``p_{k+1}``.  The emitted tokens are then distributed exactly
-    as the target's own samples (rejection sampling).  Everything stays on the device of
-    the logits; ``generator`` must live there too.
-    """
-    B, k = drafts.shape
-    greedy_rows = None
-    if isinstance(temperature, torch.Tensor) or temperature == 0:
-        greedy = target_logits.argmax(-1)  # [B, k+1]
-        matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
-        greedy_accepted = matches.sum(dim=1)
-        greedy_rows = greedy_accepted, greedy.gather(1, greedy_accepted[:, None])[:, 0]
-        if draft_probs is None:
-            return greedy_rows
-    divisor, sampled_rows = _row_temperatures(temperature, target_logits)
-    p = _probs(target_logits, divisor)  # [B, k+1, V]
-    q = draft_probs.float()
-    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
-    q_d = q.gather(2, drafts[..., None])[..., 0]
-    u = _uniform(generator, B, k, p.device)
-    ok = (u * q_d < p_d).long().cumprod(dim=1)
-    accepted = ok.sum(dim=1)
-    rows = torch.arange(B, device=p.device)
-    at = accepted.clamp(max=k - 1)
-    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
-    # All accepted: the bonus comes from the target alone.
-    weights = torch.where((accepted == k)[:, None], p[rows, k], residual)
-    # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
-    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
-    bonus = sample_from(weights / weights.sum(-1, keepdim=True), generator)
-    if sampled_rows is None:
-        return accepted, bonus
-    return torch.where(sampled_rows, accepted, greedy_rows[0]), torch.where(sampled_rows, bonus, greedy_rows[1])
 
 
 class SpecGraphs:
@@ -308,8 +172,8 @@ class DeviceStep:
         greedy = logits.argmax(-1)
         if not sampling:
             return greedy
-        divisor, sampled_rows = _row_temperatures(temperature, logits)
-        return torch.where(sampled_rows, sample_from(_probs(logits, divisor), noise), greedy)
+        divisor, sampled_rows = row_temperatures(temperature, logits)
+        return torch.where(sampled_rows, sample_from(probs_at(logits, divisor), noise), greedy)
 
     def propose(self, logits: torch.Tensor, temperature: torch.Tensor, sampling: bool,
                 noise: Noise) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -319,8 +183,8 @@ class DeviceStep:
         greedy = ids[logits.argmax(-1)]
         if not sampling:
             return greedy, None
-        divisor, sampled_rows = _row_temperatures(temperature, logits)
-        q_draft = _probs(logits, divisor)
+        divisor, sampled_rows = row_temperatures(temperature, logits)
+        q_draft = probs_at(logits, divisor)
         q = torch.zeros(logits.shape[0], self.target_vocab, dtype=q_draft.dtype, device=logits.device)
         q = q.index_add_(1, ids, q_draft)
         return torch.where(sampled_rows, sample_from(q, noise), greedy), q
@@ -445,7 +309,9 @@ class DeviceStep:
 
 
 class SpecDecoder:
-    """EAGLE / EAGLE3 chain speculative decoding over a DCP group.
+    """EAGLE / EAGLE3 chain speculative decoding over a DCP group.  Decode with
+    ``generate_all(decoder, prompts, max_new_tokens)``, or serve with
+    ``SpecEngine(decoder)`` (both in ``runtime.engine``).
 
     ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
     ``draft``: a ``SpecDraft`` built for it (``EagleDraft``), or ``None`` with ``k=0``: DCP
@@ -533,41 +399,3 @@ class SpecDecoder:
                 f"the draft reads target features {draft.feature_width} wide but the target returns "
                 f"{target.feature_width}: build the draft with DraftConfig(target.cfg, ...), or target.draft_config(...) for a DCPCausalLM"
             )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        *,
-        eos_id: int | None = None,
-        stop_ids: Sequence[int] = (),
-        on_tokens: Callable[[int, list[int]], None] | None = None,
-    ) -> list[RequestOutput]:
-        """Decode every prompt; ``on_tokens(request, new_tokens)`` streams as tokens are
-        accepted.  ``eos_id`` and every id in ``stop_ids`` (a model's EOS ids) end a
-        request.  Every rank must pass the same prompts.  A loop over a fresh
-        ``SpecEngine`` (its generator seeded with ``seed``): more prompts than
-        ``max_batch`` queue, and start as earlier ones finish."""
-        from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        engine = SpecEngine(self, stop_ids=frozenset(stop_ids))
-        outputs = [RequestOutput() for _ in prompts]
-        ids: dict[int, int] = {}
-        for i, prompt in enumerate(prompts):
-            try:
-                ids[engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, eos_id=eos_id))] = i
-            except ValueError as error:
-                outputs[i].finished_by, outputs[i].error = "refused", str(error)
-        while engine.has_work():
-            for request_id, event in engine.step().items():
-                i = ids[request_id]
-                outputs[i].tokens += event.tokens
-                outputs[i].accepted += event.accepted
-                if event.tokens and on_tokens is not None:
-                    on_tokens(i, event.tokens)
-                if event.finished_by:
-                    outputs[i].finished_by = event.finished_by
-        return outputs

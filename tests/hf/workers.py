@@ -267,7 +267,7 @@ def _hf_spec(group, k, max_new_tokens, noise, family):
     decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, lowering="aot_eager")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
-    outputs = decoder.generate(prompts, max_new_tokens)
+    outputs = dcp.generate_all(decoder, prompts, max_new_tokens)
     return dict(
         tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
         verify_all_gathers=[sum(n.target is ALL_GATHER for n in c.graph_module.graph.nodes)

@@ -90,7 +90,7 @@ def test_one_decoder_serves_twenty_prompt_widths_without_recompiling():
     compiled_after_first = None
     for i, width in enumerate(widths):
         prompts = [torch.randint(0, 32, (width,), generator=gen).tolist(), [7, 8]]
-        outputs = decoder.generate(prompts, 8)
+        outputs = dcp.generate_all(decoder, prompts, 8)
         assert [o.finished_by for o in outputs] == ["length", "length"]
         if i == 0:
             compiled_after_first = (sum(len(b.compiled) for b in (decoder.target_backend, decoder.verify_backend,

@@ -28,14 +28,14 @@ def test_steady_state_neither_recompiles_nor_recaptures():
 
     device = torch.device("cuda", 0)
     graphed = decoder(device, True)
-    first = graphed.generate(PROMPTS, 40)
+    first = dcp.generate_all(graphed, PROMPTS, 40)
     compiles, captures = counters["stats"]["unique_graphs"], [r.captures for r in graphed.graph_runners]
     assert captures == [1, 2], "verify, and the draft's extend and step shapes (one GPU: no commit to capture)"
-    second = graphed.generate(PROMPTS, 40)
+    second = dcp.generate_all(graphed, PROMPTS, 40)
     assert counters["stats"]["unique_graphs"] == compiles, "the second generation compiled a graph"
     assert [r.captures for r in graphed.graph_runners] == captures, "the second generation recaptured"
     assert all(r.replays > 0 for r in graphed.graph_runners)
     assert [o.tokens for o in second] == [o.tokens for o in first]
-    plain = decoder(device, False).generate(PROMPTS, 40)
+    plain = dcp.generate_all(decoder(device, False), PROMPTS, 40)
     assert [o.tokens for o in plain] == [o.tokens for o in first]
     assert [o.accepted for o in plain] == [o.accepted for o in first]

@@ -44,7 +44,7 @@ def run(engine, arrivals=(), aborts=(), max_steps=200):
 def test_arrivals_mid_batch_reuse_rows_and_match_each_request_alone():
     decoder = make_decoder()
     lengths = [12, 5, 20, 9, 14, 7]
-    alone = [decoder.generate([p], n)[0] for p, n in zip(PROMPTS, lengths)]
+    alone = [dcp.generate_all(decoder, [p], n)[0] for p, n in zip(PROMPTS, lengths)]
     arrivals = [(at, p, SamplingParams(max_new_tokens=n)) for at, p, n in zip([0, 0, 2, 3, 3, 9], PROMPTS, lengths)]
     out = run(SpecEngine(decoder), arrivals)
     assert out["tokens"] == [a.tokens for a in alone]
@@ -56,7 +56,7 @@ def test_arrivals_mid_batch_reuse_rows_and_match_each_request_alone():
 
 def test_abort_frees_the_row_for_the_next_request():
     decoder = make_decoder(max_batch=2)
-    alone = [decoder.generate([p], 15)[0].tokens for p in PROMPTS[:4]]
+    alone = [dcp.generate_all(decoder, [p], 15)[0].tokens for p in PROMPTS[:4]]
     params = SamplingParams(max_new_tokens=15)
     # request 0 is aborted while running, request 3 while still queued
     out = run(SpecEngine(decoder), [(0, p, params) for p in PROMPTS[:4]], aborts=[(2, 0), (2, 3)])
@@ -68,20 +68,20 @@ def test_abort_frees_the_row_for_the_next_request():
 
 def test_eos_ends_a_request_and_its_row_goes_to_the_queue():
     decoder = make_decoder(max_batch=1)
-    full = decoder.generate([PROMPTS[0]], 20)[0].tokens
+    full = dcp.generate_all(decoder, [PROMPTS[0]], 20)[0].tokens
     eos = full[3]
     out = run(SpecEngine(decoder), [(0, PROMPTS[0], SamplingParams(max_new_tokens=20, eos_id=eos)),
                                     (0, PROMPTS[1], SamplingParams(max_new_tokens=6))])
     assert out["ends"] == ["eos", "length"]
     assert out["tokens"][0] == full[: full.index(eos) + 1]
-    assert out["tokens"][1] == decoder.generate([PROMPTS[1]], 6)[0].tokens
+    assert out["tokens"][1] == dcp.generate_all(decoder, [PROMPTS[1]], 6)[0].tokens
 
 
 def test_stop_ids_end_every_request_as_its_own_eos_does():
     """A model with several EOS ids (Llama-3: end of text, end of turn): the engine's
     ``stop_ids`` apply to every request, together with the request's own ``eos_id``."""
     decoder = make_decoder(max_batch=2)
-    full = [decoder.generate([p], 20)[0].tokens for p in PROMPTS[:3]]
+    full = [dcp.generate_all(decoder, [p], 20)[0].tokens for p in PROMPTS[:3]]
     stops = frozenset({full[0][4]})
     own = [None, full[1][2], None]
     engine = SpecEngine(decoder, stop_ids=stops)
@@ -109,7 +109,7 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
                                         (1, PROMPTS[1], seeded)])
     assert crowded["tokens"][2] == alone
     # a greedy request in a sampling batch decodes as it would alone
-    greedy_alone = make_decoder().generate([PROMPTS[2]], 16)[0].tokens
+    greedy_alone = dcp.generate_all(make_decoder(), [PROMPTS[2]], 16)[0].tokens
     assert crowded["tokens"][1] == greedy_alone
     other_seed = run(SpecEngine(decoder), [(0, PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=5.0, seed=99))])["tokens"][0]
     assert other_seed != alone
@@ -167,7 +167,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(chunk
     decoder = dcp.SpecDecoder(target, draft, dcp.init_group("cpu"), k=3, max_batch=2, max_seq_len=96, chunk_size=4,
                               lowering="aot_eager")
     short, long = [1, 2, 3], [(7 * i) % 31 for i in range(19)]  # 19 tokens: five chunks of 4
-    alone = [decoder.generate([short], 60)[0].tokens, decoder.generate([long], 24)[0].tokens]
+    alone = [dcp.generate_all(decoder, [short], 60)[0].tokens, dcp.generate_all(decoder, [long], 24)[0].tokens]
     engine = SpecEngine(decoder, prefill_chunks_per_step=chunks_per_step)
     first = engine.add_request(short, SamplingParams(max_new_tokens=60))
     tokens, short_steps, second, first_long, step = {}, set(), None, None, 0

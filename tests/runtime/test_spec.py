@@ -85,9 +85,9 @@ def test_draft_for_another_vocabulary_is_refused():
 
 def test_too_long_request_is_refused_and_the_others_are_untouched():
     prompts = [[1, 2, 3], list(range(32)) * 3, [4, 5]]
-    together = decoder().generate(prompts, 10)
+    together = dcp.generate_all(decoder(), prompts, 10)
     torch._dynamo.reset()
-    alone = decoder().generate([prompts[0], prompts[2]], 10)
+    alone = dcp.generate_all(decoder(), [prompts[0], prompts[2]], 10)
     assert together[1].finished_by == "refused" and together[1].tokens == []
     assert "needs 109 cache positions; the cache holds max_seq_len=96" in together[1].error
     assert [together[0].tokens, together[2].tokens] == [alone[0].tokens, alone[1].tokens]
@@ -95,10 +95,10 @@ def test_too_long_request_is_refused_and_the_others_are_untouched():
 
 
 def test_eos_stops_a_request():
-    outputs = decoder().generate([[7, 7, 7]], 30)
+    outputs = dcp.generate_all(decoder(), [[7, 7, 7]], 30)
     eos = outputs[0].tokens[4]
     torch._dynamo.reset()
-    stopped = decoder().generate([[7, 7, 7]], 30, eos_id=eos)[0]
+    stopped = dcp.generate_all(decoder(), [[7, 7, 7]], 30, eos_id=eos)[0]
     assert stopped.finished_by == "eos" and stopped.tokens[-1] == eos
     assert stopped.tokens == outputs[0].tokens[: outputs[0].tokens.index(eos) + 1]
 
@@ -111,7 +111,7 @@ def test_requests_that_exactly_fill_the_cache_run_to_the_end():
     max_seq_len = max(len(p) for p in prompts) + new + k + 1
     target, draft = agreeing_pair("eagle3", noise=3.0, max_seq_len=max_seq_len)
     dec = SpecDecoder(target, draft, dcp.init_group("cpu"), k=k, max_batch=4, max_seq_len=max_seq_len, lowering="aot_eager")
-    outputs = dec.generate(prompts, new)
+    outputs = dcp.generate_all(dec, prompts, new)
     assert [o.finished_by for o in outputs] == ["length"] * 4
     assert [len(o.tokens) for o in outputs] == [new] * 4
 
@@ -147,7 +147,7 @@ def test_the_loop_reads_the_device_once_per_step():
         for name in names:
             saved[name], wrapper = counted(name)
             setattr(torch.Tensor, name, wrapper)
-        outputs = decoder.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 11], 20)
+        outputs = dcp.generate_all(decoder, [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 11], 20)
     finally:
         for name, original in saved.items():
             setattr(torch.Tensor, name, original)
@@ -181,7 +181,7 @@ def test_without_a_draft_the_decoder_emits_the_targets_greedy_tokens():
             expected.append(tokens[len(prompt):])
     plain = SpecDecoder(target, None, dcp.init_group("cpu"), k=0, max_batch=3, max_seq_len=48, lowering="aot_eager",
                         chunk_size=4)
-    outputs = plain.generate(prompts, new)
+    outputs = dcp.generate_all(plain, prompts, new)
     assert [o.tokens for o in outputs] == expected
     assert all(o.accepted == [0] * (new - 1) and o.finished_by == "length" for o in outputs)
     assert plain.draft_backend is None and len(plain.target_backend.compiled) == 1

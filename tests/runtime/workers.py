@@ -203,7 +203,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
     streamed = {i: [] for i in range(len(prompts))}
-    outputs = decoder.generate(prompts, max_new_tokens, on_tokens=lambda i, new: streamed[i].extend(new))
+    outputs = dcp.generate_all(decoder, prompts, max_new_tokens, on_tokens=lambda i, new: streamed[i].extend(new))
     collectives = {
         name: b.collective_counts
         for name, b in (("target", decoder.target_backend), ("verify", decoder.verify_backend), ("draft", decoder.draft_backend))
@@ -241,7 +241,7 @@ def diverging_spec_worker(rank, size):
         error=None,
     )
     try:
-        decoder.generate([[1, 2, 3], [4, 5, 6, 7]], 20)
+        dcp.generate_all(decoder, [[1, 2, 3], [4, 5, 6, 7]], 20)
     except RuntimeError as err:
         checks["error"] = str(err)
     return checks
@@ -280,7 +280,7 @@ def chunked_spec_worker(rank, size, chunk_size, lengths, temperature):
                           seed=5, lowering="aot_eager", check_ranks=True, chunk_size=chunk_size)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in lengths]
-    outputs = decoder.generate(prompts, 24)
+    outputs = dcp.generate_all(decoder, prompts, 24)
     return dict(tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
                 finished=[o.finished_by for o in outputs])
 
@@ -393,7 +393,7 @@ def engine_leader_worker(rank, size, prompts, arrivals, abort_at):
                 tokens.setdefault(rid, []).extend(event.tokens)
                 if event.finished_by:
                     ends[rid] = event.finished_by
-    static = [o.tokens for o in decoder.generate(prompts, 12)]
+    static = [o.tokens for o in dcp.generate_all(decoder, prompts, 12)]
     return dict(tokens=tokens, ends=ends, static=static)
 
 

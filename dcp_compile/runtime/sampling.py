@@ -1,0 +1,127 @@
+"""The sampler of speculative decoding, on the device: seeded noise, one token drawn per
+row without a host sync, and the acceptance rule of a draft chain.
+
+Every random number comes from device generators seeded identically on all ranks
+(``Noise``), and the merged logits are bitwise the same on all ranks, so every rank
+draws and accepts the same tokens without communicating.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probs_at(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """The fp32 distribution ``logits`` sample from at ``temperature`` (a float, or a
+    divisor shaped for ``logits``)."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+class Noise:
+    """The sampler's random numbers, on the device.  One generator, seeded alike on every
+    rank, serves the batch; a request with its own ``seed`` draws its row from a generator
+    of its own, so its tokens depend on its seed alone, not on the requests it shares a
+    batch with.  Every rank makes the same draws, so ranks agree without communicating."""
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.shared = torch.Generator(device=device).manual_seed(seed)
+        self.rows: dict[int, torch.Generator] = {}
+
+    def seed_row(self, row: int, seed: int | None) -> None:
+        if seed is None:
+            self.rows.pop(row, None)
+        else:
+            self.rows[row] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def exponential(self, like: torch.Tensor) -> torch.Tensor:
+        """Exponential(1) draws shaped as ``like [B, ...]``, row ``b`` from its own generator."""
+        draws = torch.empty_like(like).exponential_(1.0, generator=self.shared)
+        for row, generator in self.rows.items():
+            draws[row].exponential_(1.0, generator=generator)
+        return draws
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        draws = torch.rand(*shape, generator=self.shared, device=self.device)
+        for row, generator in self.rows.items():
+            draws[row] = torch.rand(*shape[1:], generator=generator, device=self.device)
+        return draws
+
+
+def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [..., V]``, on the device: the first of V exponential
+    clocks with rates ``probs`` to ring, ``argmax(probs / E)``, is distributed as
+    ``probs``, with no host sync (``torch.multinomial`` on CUDA synchronizes)."""
+    if isinstance(noise, Noise):
+        clocks = noise.exponential(probs)
+    else:
+        clocks = torch.empty_like(probs).exponential_(1.0, generator=noise)
+    return (probs / clocks).argmax(-1)
+
+
+def _uniform(noise: Noise | torch.Generator | None, B: int, k: int, device) -> torch.Tensor:
+    if isinstance(noise, Noise):
+        return noise.uniform(B, k)
+    return torch.rand(B, k, generator=noise, device=device)
+
+
+def row_temperatures(temperature: float | torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
+    """``(divisor, sampled rows)``: a per-row temperature tensor ``[B]`` becomes a divisor
+    ``[B, 1, ...]`` shaped for ``logits`` (greedy rows divide by 1, their samples unused)
+    and a ``[B]`` mask of the rows that sample; a float stays as it is."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature, None
+    sampled = temperature > 0
+    divisor = torch.where(sampled, temperature, 1.0).view(-1, *([1] * (logits.dim() - 1)))
+    return divisor, sampled
+
+
+def accept_chain(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    generator: Noise | torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of ``drafts [B, k]`` the target accepts, and the token that follows them.
+
+    ``target_logits [B, k+1, V]``: the target's logits after ``t0, d1..dk``.
+    ``temperature``: one for the batch, or ``[B]`` per row (0: that row is greedy).
+
+    Greedy (temperature 0): accept ``d_j`` while it equals the target's argmax; the
+    next token is the target's argmax after the last accepted draft.
+
+    Sampling: accept ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
+    first rejection sample from ``norm(max(0, p_j - q_j))``; if all ``k`` are accepted,
+    sample the bonus from ``p_{k+1}``.  The emitted tokens are then distributed exactly
+    as the target's own samples (rejection sampling).  Everything stays on the device of
+    the logits; ``generator`` must live there too.
+    """
+    B, k = drafts.shape
+    greedy_rows = None
+    if isinstance(temperature, torch.Tensor) or temperature == 0:
+        greedy = target_logits.argmax(-1)  # [B, k+1]
+        matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
+        greedy_accepted = matches.sum(dim=1)
+        greedy_rows = greedy_accepted, greedy.gather(1, greedy_accepted[:, None])[:, 0]
+        if draft_probs is None:
+            return greedy_rows
+    divisor, sampled_rows = row_temperatures(temperature, target_logits)
+    p = probs_at(target_logits, divisor)  # [B, k+1, V]
+    q = draft_probs.float()
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0]
+    u = _uniform(generator, B, k, p.device)
+    ok = (u * q_d < p_d).long().cumprod(dim=1)
+    accepted = ok.sum(dim=1)
+    rows = torch.arange(B, device=p.device)
+    at = accepted.clamp(max=k - 1)
+    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
+    # All accepted: the bonus comes from the target alone.
+    weights = torch.where((accepted == k)[:, None], p[rows, k], residual)
+    # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
+    bonus = sample_from(weights / weights.sum(-1, keepdim=True), generator)
+    if sampled_rows is None:
+        return accepted, bonus
+    return torch.where(sampled_rows, accepted, greedy_rows[0]), torch.where(sampled_rows, bonus, greedy_rows[1])
