@@ -109,7 +109,7 @@ def check_hf_config(path: Path):
 
 @dataclass(frozen=True)
 class _ConfiguredTarget:
-    """An HF target's shapes from its config alone (an ``eagle.DraftHost`` without weights)."""
+    """An HF target's shapes from its config alone (an ``draft_config.DraftHost`` without weights)."""
 
     vocab_size: int
     hidden_size: int
@@ -121,10 +121,12 @@ class _ConfiguredTarget:
 def _check_draft(draft: Path, config) -> None:
     """Refuse a draft that cannot serve the model of ``config`` (another width, vocabulary or
     depth, an extension not computed here), from the configs and weight shapes alone."""
+    from dcp_compile.models.eagle import EagleDraft
     from dcp_compile.models.eagle_checkpoint import check, feature_layers
 
     layers = config.num_hidden_layers
-    check(draft, _ConfiguredTarget(config.vocab_size, config.hidden_size, layers, feature_layers(draft, layers)))
+    check(draft, _ConfiguredTarget(config.vocab_size, config.hidden_size, layers, feature_layers(draft, layers)),
+          EagleDraft)
 
 
 def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",

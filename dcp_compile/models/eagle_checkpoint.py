@@ -31,7 +31,7 @@ from types import MappingProxyType
 import torch
 
 from dcp_compile.files import read_json_object
-from dcp_compile.models.eagle import DraftConfig, EagleDraft, TargetShape, eagle3_aux_layers
+from dcp_compile.models.draft_config import DraftConfig, TargetShape, eagle3_aux_layers
 from dcp_compile.models.llama import LlamaConfig, RopeScaling
 from dcp_compile.models.rope_layout import rotate_half_to_interleaved
 
@@ -360,11 +360,12 @@ class DraftPlan:
     """``EagleDraft`` parameters that are the target's (``embed.weight``, EAGLE-1's ``head.weight``)."""
 
 
-def check(directory, target) -> DraftPlan:
+def check(directory, target, draft_class) -> DraftPlan:
     """Every check ``from_pretrained`` makes, from the configs and the weight shapes (and
     the small ``d2t``), without reading the weights: so that a command refuses a draft
     for another target before any rank starts.  ``target`` is a ``DraftHost`` or anything
-    with its shape attributes."""
+    with its shape attributes.  ``draft_class``: the model the weights are for
+    (``EagleDraft``), passed in since its ``from_pretrained`` calls this module."""
     ckpt = inspect(directory)
     names = EAGLE3_NAMES if ckpt.kind == EAGLE3 else EAGLE1_NAMES
     files = weight_files(ckpt.directory)
@@ -390,7 +391,7 @@ def check(directory, target) -> DraftPlan:
             )
     # A checkpoint without embed_tokens takes the target's; EAGLE-1 always takes its head.
     shared = ("embed.weight",) * ("embed.weight" not in shapes) + ("head.weight",) * (ckpt.kind == EAGLE1)
-    wanted = {k: tuple(v.shape) for k, v in EagleDraft(cfg, device="meta", cache_device="meta").state_dict().items()}
+    wanted = {k: tuple(v.shape) for k, v in draft_class(cfg, device="meta", cache_device="meta").state_dict().items()}
     if "embed.weight" in shared and wanted["embed.weight"] != (target.vocab_size, target.hidden_size):
         raise ValueError(
             f"the draft in {ckpt.directory} has no embed_tokens and so takes the target's, which is "
@@ -414,7 +415,7 @@ def check(directory, target) -> DraftPlan:
 
 def load_draft(cls, directory, target, *, dtype: torch.dtype, device):
     """``EagleDraft.from_pretrained``: see there."""
-    plan = check(directory, target)
+    plan = check(directory, target, cls)
     ckpt, cfg = plan.ckpt, plan.cfg
     device = torch.device(device if device is not None else "cpu")
     raw = _read_weights(weight_files(ckpt.directory))

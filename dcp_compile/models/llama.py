@@ -271,7 +271,7 @@ class TargetFacts:
         """Width of the EAGLE features forward returns (0: it returns the logits alone)."""
         return self.cfg.dim * len(self.cfg.aux_layers)
 
-    # What an EAGLE draft reads of the target it is loaded for (``eagle.DraftHost``).
+    # What an EAGLE draft reads of the target it is loaded for (``draft_config.DraftHost``).
 
     @property
     def hidden_size(self) -> int:

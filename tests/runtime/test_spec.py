@@ -5,7 +5,8 @@ import torch
 
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig
-from dcp_compile.runtime.spec import SpecDecoder, accept_chain
+from dcp_compile.runtime.sampling import accept_chain
+from dcp_compile.runtime.spec import SpecDecoder
 from tests.support import agreeing_pair, make_model
 
 # chi-square critical value, 4 degrees of freedom, p = 0.001

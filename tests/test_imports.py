@@ -1,0 +1,85 @@
+"""The package's own import graph has no circle, read from the source alone (no module is
+imported): every ``import`` and ``from ... import``, at module level or inside a function,
+absolute or relative, is an arrow from the importing module to the module it names."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dcp_compile"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that module ``name`` imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            # ``from pkg import name`` names a submodule when ``pkg.name`` is one.
+            for alias in node.names:
+                found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
+    return {module for module in found if module in known and module != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` as ``[a, b, ..., a]``, or ``None``."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for target in sorted(graph[node]):
+            cycle = visit(target, path + [node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_graph_is_read_from_every_kind_of_import():
+    graph = import_graph()
+    assert "dcp_compile.runtime.spec" in graph["dcp_compile.runtime.engine"]  # module level, absolute
+    assert "dcp_compile.ops" in graph["dcp_compile"]  # ``from dcp_compile import ops``: a submodule
+    assert "dcp_compile.runtime.cuda_graphs" in graph["dcp_compile.runtime.spec"]  # inside a function
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_relative_imports_resolve_against_the_package(tmp_path):
+    known = {"dcp_compile.passes": Path(), "dcp_compile.passes.find": Path(), "dcp_compile.layout": Path()}
+    source = tmp_path / "sdpa.py"
+    source.write_text("from .find import x\nfrom .. import layout\n\ndef f():\n    from . import find\n")
+    assert imported("dcp_compile.passes.sdpa", source, known) == {"dcp_compile.passes.find", "dcp_compile.layout"}
+
+
+def test_no_import_circle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
