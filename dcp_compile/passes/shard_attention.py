@@ -45,7 +45,7 @@ from dcp_compile.ops.cascade import (
     BHSD_as_cache, cache_BHSD, join_heads, key_lower_bound, latent_query, merge_exchanged, merge_gathered, pack_partial,
     prefix_allowed, prefix_lengths, prefix_starts, split_heads, window_allowed, window_kv, window_positions,
 )
-from dcp_compile.passes.find import AttentionSite, ExpandedKV, Plan
+from dcp_compile.passes.find import AttentionSite, ExpandedKV, KVWrite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, shape_of, where
 from dcp_compile.passes.slotwise import replay_on_window
 
@@ -69,10 +69,118 @@ def _keys_transposed(expanded: ExpandedKV) -> bool:
     return expanded.map.axes[expanded.keys].slot == 3
 
 
+def _new_tokens(graph, write: KVWrite, batch: int):
+    """The new K/V a write stores, as ``[B, H, T, D]`` (the window's keys or values)."""
+    return graph.call_function(
+        window_kv,
+        (write.value,),
+        dict(shape=write.index.value_shape, tags=write.index.value_tags, batch=batch, dtype=write.index.cache_dtype),
+    )
+
+
+def _cache_view(graph, write: KVWrite):
+    """The cache a write stores into, as ``[B, H, S, D]`` (what the prefix reads)."""
+    return graph.call_function(cache_BHSD, (write.cache.node,), dict(seq_dim=write.cache.seq_dim))
+
+
+def _site_operands(graph, site: AttentionSite):
+    """``(query, [keys, values] over the local slots, [keys, values] of the new tokens)``
+    for the three kinds of site: two caches, keys and values a slot-wise map computes
+    from caches, and MLA's latent (one key head ``[latent | rope key]``)."""
+    k_write, v_write, batch = site.k_write, site.v_write, site.k_write.index.batch
+    latent, expanded = site.latent, site.expanded
+    if expanded is not None:
+        # The prefix reads the keys and values the user's map computes over this
+        # rank's slots; the window replays that map on the new tokens.
+        window_inputs = {
+            w.cache.node: graph.call_function(
+                BHSD_as_cache, (_new_tokens(graph, w, batch),),
+                dict(seq_dim=w.cache.seq_dim, ndim=len(shape_of(w.cache.node))))
+            for w in expanded.writes
+        }
+        replayed = replay_on_window(graph, expanded.map, window_inputs, k_write.index.tokens)
+
+        def keys_BHSD(keys):
+            return graph.call_function(torch.transpose, (keys, -2, -1)) if _keys_transposed(expanded) else keys
+
+        caches = [keys_BHSD(expanded.keys), expanded.values]
+        return site.query, caches, [keys_BHSD(replayed[expanded.keys]), replayed[expanded.values]]
+    if latent is None:
+        new_kv = [_new_tokens(graph, w, batch) for w in (k_write, v_write)]
+        return site.query, [_cache_view(graph, w) for w in (k_write, v_write)], new_kv
+    # MLA: one key head [latent | rope key], the latent as the values.
+    query = site.query if latent.rope_query is None else graph.call_function(
+        latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
+    # The prefix and the window read the latent and the rope key where they lie.
+    new_kv = [_new_tokens(graph, k_write, batch), _new_tokens(graph, latent.rope_write, batch)]
+    return query, [_cache_view(graph, k_write), _cache_view(graph, latent.rope_write)], new_kv
+
+
+def _prefix_attention(graph, site: AttentionSite, query, caches, positions, kv_len, lower, kv_start,
+                      sharding: dict):
+    """Attention over this rank's slots before each row's first new token: the masked
+    reference where key-padding masks apply, else the length-bounded kernel."""
+    key_masks = site.mask.key_masks
+    if key_masks:
+        expanded = site.expanded
+        slots = expanded.map.slots if expanded else fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
+        allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks),
+                                      dict(sharding, slots=slots, lower=lower))
+        return graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
+    if site.latent is not None:
+        return graph.call_function(LATENT_PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
+    bound = () if kv_start is None else (kv_start,)
+    return graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale, *bound))
+
+
+def _window_attention(graph, site: AttentionSite, query, new_kv, positions, lower):
+    """Attention over the new tokens, causal by global position."""
+    if site.latent is not None:
+        return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
+    key_masks = site.mask.key_masks
+    if not key_masks:
+        bound = () if lower is None else (lower,)
+        return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale, *bound))
+    allowed = graph.call_function(window_allowed, (positions, *key_masks), dict(lower=lower))
+    return graph.call_function(attention_with_lse, (query, new_kv[0], new_kv[1], allowed, site.scale))
+
+
+def _exchange_and_merge(graph, packed, window_attention, layout: KVLayout, group_name: str | None, comm: str,
+                        out_dtype: torch.dtype):
+    """The partials meet (``comm``) and merge with the window: ``(out, window,
+    collective nodes)``.  The window attention is placed between each collective and its
+    wait, so it can run while the partials are in flight."""
+    if layout.size == 1:
+        # A group of one (the single-GPU cascade): its own prefix is all there is.
+        window = window_attention()
+        window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+        out = graph.call_function(merge_gathered, (packed, *window_parts), dict(size=1, dtype=out_dtype))
+        return out, window, []
+    if comm == "ag":
+        gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
+        window = window_attention()
+        gathered = graph.call_function(WAIT, (gathered,))
+        window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+        out = graph.call_function(merge_gathered, (gathered, *window_parts), dict(size=layout.size, dtype=out_dtype))
+        return out, window, [gathered]
+    send = graph.call_function(split_heads, (packed,), dict(size=layout.size))
+    splits = [1] * layout.size
+    exchanged = graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name))
+    window = window_attention()
+    exchanged = graph.call_function(WAIT, (exchanged,))
+    window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+    merged = graph.call_function(
+        merge_exchanged, (exchanged, *window_parts), dict(size=layout.size, rank=layout.rank, dtype=out_dtype)
+    )
+    gathered = graph.call_function(WAIT, (graph.call_function(ALL_GATHER, (merged, layout.size, group_name)),))
+    out = graph.call_function(join_heads, (gathered,), dict(size=layout.size))
+    return out, window, [send, exchanged, merged, gathered]
+
+
 def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str) -> None:
+    """Replace one site by the cascade: operands, prefix, collective with the window, merge."""
     graph = gm.graph
-    k_write, v_write = site.k_write, site.v_write
-    batch = k_write.index.batch
+    k_write, latent = site.k_write, site.latent
     sharding = dict(size=layout.size, rank=layout.rank, interleave=layout.interleave, max_seq_len=layout.max_seq_len)
     out_dtype = fake_value(site.node).dtype
     old_inputs = list(site.node.all_input_nodes)
@@ -80,101 +188,20 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         positions = graph.call_function(
             window_positions,
             (k_write.positions,),
-            dict(shape=k_write.index.position_shape, tags=k_write.index.position_tags, batch=batch),
+            dict(shape=k_write.index.position_shape, tags=k_write.index.position_tags, batch=k_write.index.batch),
         )
-        def new_tokens(w):
-            return graph.call_function(
-                window_kv,
-                (w.value,),
-                dict(shape=w.index.value_shape, tags=w.index.value_tags, batch=batch, dtype=w.index.cache_dtype),
-            )
-
-        def cache_view(w):
-            return graph.call_function(cache_BHSD, (w.cache.node,), dict(seq_dim=w.cache.seq_dim))
-
-        latent, expanded = site.latent, site.expanded
-        if expanded is not None:
-            # The prefix reads the keys and values the user's map computes over this
-            # rank's slots; the window replays that map on the new tokens.
-            query = site.query
-            window_inputs = {
-                w.cache.node: graph.call_function(
-                    BHSD_as_cache, (new_tokens(w),), dict(seq_dim=w.cache.seq_dim, ndim=len(shape_of(w.cache.node))))
-                for w in expanded.writes
-            }
-            replayed = replay_on_window(graph, expanded.map, window_inputs, k_write.index.tokens)
-
-            def keys_BHSD(keys):
-                return graph.call_function(torch.transpose, (keys, -2, -1)) if _keys_transposed(expanded) else keys
-
-            caches = [keys_BHSD(expanded.keys), expanded.values]
-            new_kv = [keys_BHSD(replayed[expanded.keys]), replayed[expanded.values]]
-        elif latent is None:
-            query = site.query
-            new_kv = [new_tokens(w) for w in (k_write, v_write)]
-            caches = [cache_view(w) for w in (k_write, v_write)]
-        else:
-            # MLA: one key head [latent | rope key], the latent as the values.
-            query = site.query if latent.rope_query is None else graph.call_function(
-                latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
-            # The prefix and the window read the latent and the rope key where they lie.
-            new_kv = [new_tokens(k_write), new_tokens(latent.rope_write)]
-            caches = [cache_view(k_write), cache_view(latent.rope_write)]
+        query, caches, new_kv = _site_operands(graph, site)
         kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
-        key_masks = site.mask.key_masks
-        if (key_masks or site.mask.key_lower_bounds) and latent is not None:
+        if (site.mask.key_masks or site.mask.key_lower_bounds) and latent is not None:
             raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
         lower, kv_start = _lower_bound(graph, site, positions, sharding)
-        if key_masks:
-            slots = expanded.map.slots if expanded else fake_value(caches[0].args[0]).shape[caches[0].kwargs["seq_dim"]]
-            allowed = graph.call_function(prefix_allowed, (positions, kv_len, *key_masks),
-                                          dict(sharding, slots=slots, lower=lower))
-            prefix = graph.call_function(attention_with_lse, (query, caches[0], caches[1], allowed, site.scale))
-        elif latent is not None:
-            prefix = graph.call_function(LATENT_PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale))
-        else:
-            bound = () if kv_start is None else (kv_start,)
-            prefix = graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale, *bound))
+        prefix = _prefix_attention(graph, site, query, caches, positions, kv_len, lower, kv_start, sharding)
         packed = graph.call_function(
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
-        # The window attention is placed between each collective and its wait, so
-        # it can run while the partials are in flight.
-        def window_attention():
-            if latent is not None:
-                return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
-            if not key_masks:
-                bound = () if lower is None else (lower,)
-                return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale, *bound))
-            allowed = graph.call_function(window_allowed, (positions, *key_masks), dict(lower=lower))
-            return graph.call_function(attention_with_lse, (query, new_kv[0], new_kv[1], allowed, site.scale))
-
-        if layout.size == 1:
-            # A group of one (the single-GPU cascade): its own prefix is all there is.
-            window = window_attention()
-            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
-            out = graph.call_function(merge_gathered, (packed, *window_parts), dict(size=1, dtype=out_dtype))
-            comm_nodes = []
-        elif comm == "ag":
-            gathered = graph.call_function(ALL_GATHER, (packed, layout.size, group_name))
-            window = window_attention()
-            gathered = graph.call_function(WAIT, (gathered,))
-            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
-            out = graph.call_function(merge_gathered, (gathered, *window_parts), dict(size=layout.size, dtype=out_dtype))
-            comm_nodes = [gathered]
-        else:
-            send = graph.call_function(split_heads, (packed,), dict(size=layout.size))
-            splits = [1] * layout.size
-            exchanged = graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name))
-            window = window_attention()
-            exchanged = graph.call_function(WAIT, (exchanged,))
-            window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
-            merged = graph.call_function(
-                merge_exchanged, (exchanged, *window_parts), dict(size=layout.size, rank=layout.rank, dtype=out_dtype)
-            )
-            gathered = graph.call_function(WAIT, (graph.call_function(ALL_GATHER, (merged, layout.size, group_name)),))
-            out = graph.call_function(join_heads, (gathered,), dict(size=layout.size))
-            comm_nodes = [send, exchanged, merged, gathered]
+        out, window, comm_nodes = _exchange_and_merge(
+            graph, packed, lambda: _window_attention(graph, site, query, new_kv, positions, lower), layout, group_name,
+            comm, out_dtype)
         if latent is not None:
             out = graph.call_function(torch.permute, (out, latent.out_perm))
     for node in (positions, *new_kv, *caches, kv_len, prefix, packed, window, out, *comm_nodes):

@@ -157,14 +157,26 @@ def _step(node: Node, axes: dict[Node, Axes], inside: set[Node]) -> Axes | None:
         raise _refuse(node, "its first operand is not the cache data")
     ndim_in = len(shape_of(x)) if _is_tensor(x) else None
     if name in ("linear", "matmul", "__matmul__"):
-        weight = node.args[1]
-        if weight in inside or len(shape_of(weight)) != 2 or max(a.batch, a.slot) == ndim_in - 1:
-            raise _refuse(node, "it is not a projection of the last axis by a weight")
-        if any(n in inside for n in node.all_input_nodes[2:]):
-            raise _refuse(node, "its bias comes from the cache")
-        return a
+        return _projection_axes(node, a, ndim_in, inside)
     if outside_data and name != "type_as":
         raise _refuse(node, f"it also reads {outside_data[0].name}, which is not cache data")
+    return _layout_axes(node, name, x, a, axes, ndim_in)
+
+
+def _projection_axes(node: Node, a: Axes, ndim_in: int, inside: set[Node]) -> Axes:
+    """``linear`` / ``matmul`` of cache data by a weight: it maps the last axis alone, so
+    the batch and slot axes stay where they are."""
+    weight = node.args[1]
+    if weight in inside or len(shape_of(weight)) != 2 or max(a.batch, a.slot) == ndim_in - 1:
+        raise _refuse(node, "it is not a projection of the last axis by a weight")
+    if any(n in inside for n in node.all_input_nodes[2:]):
+        raise _refuse(node, "its bias comes from the cache")
+    return a
+
+
+def _layout_axes(node: Node, name: str, x: Node, a: Axes, axes: dict[Node, Axes], ndim_in: int | None) -> Axes:
+    """Where an op that reads cache data alone moves its batch and slot axes (views,
+    permutations, splits, indexing, joins); raises for an op that mixes them."""
     shape_out = shape_of(node) if _is_tensor(node) else None
     if name in _SAME_SHAPE or name in _NEW_TENSORS:
         if shape_out != shape_of(x) and name not in _NEW_TENSORS:
