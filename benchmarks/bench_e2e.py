@@ -362,6 +362,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="8192,16384,32768,65536")
     parser.add_argument("--batches", default="8,1")
     parser.add_argument("--verify-k", type=int, default=3, help="EAGLE3 chain k: verify steps carry k+1 tokens")
+    parser.add_argument("--verify-widths", default="",
+                        help="more verify steps of these token counts (e.g. 32,64: tree verifies), timed without "
+                             "the draft at --verify-batches")
     parser.add_argument("--verify-batches", default="8")
     parser.add_argument("--edge", default="8:131072",
                         help="batch:context past one GPU's capacity (DCP=1 refused by the plan); '' to skip")
@@ -405,6 +408,8 @@ def main() -> None:
     n = group.size
     points = [(int(b), 1) for b in args.batches.split(",") if b]
     points += [(int(b), args.verify_k + 1) for b in args.verify_batches.split(",") if b]
+    wide = [int(t) for t in args.verify_widths.split(",") if t]
+    points += [(int(b), t) for t in wide for b in args.verify_batches.split(",") if b]
     points = [(b, t, contexts_one_gpu_takes(cfg, device, b, t, contexts) if mla else contexts) for b, t in points]
     if args.edge and not args.small:
         batch, context = (int(x) for x in args.edge.split(":"))
@@ -426,7 +431,7 @@ def main() -> None:
         if group.rank == 0 and "one" in arms:  # the other ranks wait: DCP=1 runs on rank 0's GPU alone
             entry["single"] = measure_point(cfg, single_group, device, batch, tokens, point_contexts, args.reps,
                                             args.seed, args.regional)
-            if tokens > 1 and "refused" not in entry["single"] and not mla:
+            if tokens == args.verify_k + 1 and "refused" not in entry["single"] and not mla:
                 entry["draft"] = measure_draft(cfg, device, batch, tokens, point_contexts, args.reps, args.seed)
         measured.append(entry)
         if n > 1:

@@ -9,8 +9,8 @@ Shapes: Llama-3-8B heads (Hq=32, Hkv=8, D=128), bf16, every sequence using the w
 context.  Each timing is the median over ``--rounds`` interleaved rounds (the three arms
 once a round) of the median over ``--reps`` replays of a CUDA graph, each graph calling
 the arm on enough copies of K/V to read 512 MiB, so every call reads from HBM.  Steps of
-more than 64 query rows per KV head also time ``split128``: the split-KV kernel holding
-128 rows a program (each K/V block read once for twice the rows).
+more than 64 query rows per KV head also time ``split64``: the split-KV kernel holding 64
+rows a program (its decode tile) instead of its 128 for wide steps.
 Reported per point: ms per call of each arm, which kernel was chosen, the chosen
 kernel over the faster of the two, and the chosen kernel at each width over the same
 batch's 4-token verify (the cliff this choice removes: the flash kernel at batch 1 reads
@@ -68,8 +68,8 @@ def main() -> int:
         for tokens in args.tokens:
             q = torch.randn(batch, hq, tokens, d, device=device, dtype=dtype)
             arms = {"split": prefix_attention_triton, "flash": prefix_flash_triton, "chosen": prefix_attention_any_width}
-            if tokens * hq // hkv > 64:  # wide steps: the split-KV kernel with 128-row tiles beside its 64
-                arms["split128"] = functools.partial(prefix_attention_triton, rows=128)
+            if tokens * hq // hkv > 64:  # wide steps: the split-KV kernel's 128-row tiles against 64
+                arms["split64"] = functools.partial(prefix_attention_triton, rows=64)
             prepared = {}
             for name, kernel in arms.items():
                 calls = [lambda k=k, v=v, kernel=kernel: kernel(q, k, v, kv_len, scale) for k, v in caches]
@@ -90,9 +90,9 @@ def main() -> int:
                    command=" ".join(["python3", *sys.argv]))
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    print("batch tokens  split_ms split128 flash_ms chosen_ms choice  /best  /narrowest")
+    print("batch tokens  split_ms  split64 flash_ms chosen_ms choice  /best  /narrowest")
     for p in points:
-        wide = f"{p['split128_ms']:8.4f}" if "split128_ms" in p else "       -"
+        wide = f"{p['split64_ms']:8.4f}" if "split64_ms" in p else "       -"
         print(f"{p['batch']:5d} {p['tokens']:6d} {p['split_ms']:9.4f} {wide} {p['flash_ms']:8.4f} {p['chosen_ms']:9.4f} "
               f"{p['choice']:6s} {p['chosen_over_best']:6.3f} {p['chosen_over_narrowest']:6.3f}")
     return 0

@@ -63,10 +63,11 @@ def build_cases():
             for dtype in (torch.float32, torch.bfloat16):
                 cases[f"t{t}-g{g}-{str(dtype)[6:]}"] = make_case(t * 10 + g, t=t, g=g, dtype=dtype)
     # kv_len 0, S, and lengths that end mid-block, with every split layout.
-    # A tree verify wider than one program's rows: 4 x 24 rows over two row blocks.
-    cases["wide-verify-row-blocks"] = make_case(7, t=24, g=4, num_splits=2)
-    args, clean = make_case(8, t=40, g=4, num_splits=2)
-    cases["wide-verify-128-rows"] = ({**args, "rows": 128}, clean)
+    # Tree verifies wider than one program's rows: 4 x 40 rows over two 128-row blocks (the
+    # default past 64 rows), and 4 x 24 over two 64-row blocks (the override).
+    cases["wide-verify-row-blocks"] = make_case(7, t=40, g=4, num_splits=2)
+    args, clean = make_case(8, t=24, g=4, num_splits=2)
+    cases["wide-verify-64-rows"] = ({**args, "rows": 64}, clean)
     cases["one-split"] = make_case(1, t=5, num_splits=1)
     cases["splits-past-length"] = make_case(2, t=5, s=256, kv_len=(0, 256, 77), num_splits=8, block_s=32)
     cases["uneven-splits"] = make_case(3, t=1, s=200, kv_len=(199, 0, 33), num_splits=3, block_s=16)
