@@ -19,7 +19,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine, StepEvent, cut_at_stop
-from dcp_compile.serve import EngineThread, build_app
+from dcp_compile.serve_engine import EngineThread
+from dcp_compile.serve_http import build_app
 from dcp_compile.text import ByteCodec, HFCodec
 from tests.support.text import tokenizer_dir
 
@@ -275,7 +276,7 @@ def _burst(window: float, rows: int, arrivals: int) -> tuple[ScriptedEngine, lis
     import asyncio
     import threading
 
-    from dcp_compile.serve import Completion
+    from dcp_compile.serve_requests import Completion
 
     engine = ScriptedEngine(lambda prompt: [65] * 4, vocab=256, stop_ids=frozenset(), per_step=4)
     engine.rows = rows
