@@ -94,7 +94,7 @@ WIDE_ROWS = 128
 """Query rows one program holds once a step has more than ``MAX_ROWS`` (tree verifies):
 each K/V block is then loaded once for twice the rows, in two pipeline stages so that Q
 (32 KB at bf16 D=128) fits beside them.  On the H200 at Hq=32, Hkv=8, S=64K it ran
-1.33-1.55x faster than 64-row blocks at every batch and width from 24 to 128 tokens.
+1.36-1.71x faster than 64-row blocks at every batch (1-8) and width (24-128 tokens).
 Only for head rows of at most ``WIDE_ROW_BYTES``; more rows are split over row blocks,
 each rereading K/V (from L2 in practice)."""
 WIDE_ROW_BYTES = 256
