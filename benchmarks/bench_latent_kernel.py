@@ -99,7 +99,7 @@ import triton  # noqa: E402
 from _report import Timer, cell, copy_arms, kilo, short_error, timed_rounds  # noqa: E402
 from dcp_compile.ops import latent_prefix_attention_triton, latent_window_attention_triton  # noqa: E402
 from dcp_compile.ops.attention import latent_prefix_attention_reference  # noqa: E402
-from dcp_compile.ops.triton_prefix import LATENT_TILE_CHOICES, latent_tiles  # noqa: E402
+from dcp_compile.ops.triton_latent import LATENT_TILE_CHOICES, latent_tiles  # noqa: E402
 
 
 def ours_fn(device):

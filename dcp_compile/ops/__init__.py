@@ -7,9 +7,8 @@ from dcp_compile.ops.attention import (
 )
 from dcp_compile.ops.merge import lse_merge
 from dcp_compile.ops.triton_flash import prefix_flash_triton, window_flash_triton
-from dcp_compile.ops.triton_prefix import (
-    latent_prefix_attention_triton, latent_window_attention_triton, prefix_attention_any_width, prefix_attention_triton,
-)
+from dcp_compile.ops.triton_latent import latent_prefix_attention_triton, latent_window_attention_triton
+from dcp_compile.ops.triton_prefix import prefix_attention_any_width, prefix_attention_triton
 
 __all__ = [
     "attention_with_lse", "blocked_attention", "latent_prefix_attention", "latent_prefix_attention_triton",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_compile.ops.attention import latent_prefix_attention
-from dcp_compile.ops.triton_prefix import latent_kernel_fits
+from dcp_compile.ops.triton_latent import latent_kernel_fits
 from tests.ops.test_attention import attention_float64
 from tests.ops.test_triton_prefix import WORKER, assert_matches_float64
 
@@ -94,7 +94,7 @@ def test_which_shapes_the_latent_kernel_takes(c, r, t, fits):
 @pytest.mark.parametrize("width, element_size", [(576, 2), (576, 4), (48, 4), (2112, 2), (80, 1)])
 @pytest.mark.parametrize("rows_wanted", [1, 16, 17, 32, 64, 128, 2048])
 def test_default_tiles_are_choices_the_kernel_takes_and_fit_a_stage(rows_wanted, width, element_size):
-    from dcp_compile.ops.triton_prefix import LATENT_STAGE_BYTES, LATENT_TILE_CHOICES, latent_tiles
+    from dcp_compile.ops.triton_latent import LATENT_STAGE_BYTES, LATENT_TILE_CHOICES, latent_tiles
 
     tiles = latent_tiles(rows_wanted, width, element_size)
     assert all(tiles[name] in choices for name, choices in LATENT_TILE_CHOICES.items())
@@ -117,7 +117,7 @@ BAD_LATENT_INPUTS = {
 def test_bad_inputs_are_refused_before_the_kernel_runs(name):
     """The kernel would read past a tensor (another batch) or fail to compile (mixed
     dtypes): each input the launch cannot run is refused with what it expected."""
-    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+    from dcp_compile.ops.triton_latent import latent_prefix_attention_triton
 
     change, expected = BAD_LATENT_INPUTS[name]
     args, _ = make_case(14)
@@ -126,7 +126,7 @@ def test_bad_inputs_are_refused_before_the_kernel_runs(name):
 
 
 def test_a_tile_override_outside_the_choices_is_refused():
-    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+    from dcp_compile.ops.triton_latent import latent_prefix_attention_triton
 
     args, _ = make_case(13)
     with pytest.raises(ValueError, match=r"num_stages must be one of \(1, 2, 3, 4\), got 5"):
@@ -136,7 +136,7 @@ def test_a_tile_override_outside_the_choices_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_latent_kernel_matches_float64_reference_on_gpu(name):
-    from dcp_compile.ops.triton_prefix import latent_prefix_attention_triton
+    from dcp_compile.ops.triton_latent import latent_prefix_attention_triton
 
     args, (latent, rope) = CASES[name]
     out, lse = latent_prefix_attention_triton(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
@@ -220,7 +220,7 @@ def test_the_latent_window_op_on_cpu_is_the_window_over_the_keys_side_by_side():
 
 
 def test_the_latent_window_kernel_refuses_a_window_of_another_length():
-    from dcp_compile.ops.triton_prefix import latent_window_attention_triton
+    from dcp_compile.ops.triton_latent import latent_window_attention_triton
 
     args = dict(WINDOW_CASES["verify-fp32"])
     args["latent"], args["rope"] = args["latent"][:, :, :3], args["rope"][:, :, :3]
@@ -231,7 +231,7 @@ def test_the_latent_window_kernel_refuses_a_window_of_another_length():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(WINDOW_CASES))
 def test_latent_window_kernel_matches_float64_reference_on_gpu(name):
-    from dcp_compile.ops.triton_prefix import latent_window_attention_triton
+    from dcp_compile.ops.triton_latent import latent_window_attention_triton
     from tests.ops.test_triton_prefix import TOLERANCE
 
     args = WINDOW_CASES[name]
