@@ -66,10 +66,10 @@ def test_module_level_mutable_state_is_only_the_prepare_time_registries():
 
 
 REGISTRY_WRITERS = ("register", "register_table")
-# dcp_compile/hf.py's DCPStaticCache is prepare for caches HF keeps outside modules: it
+# dcp_compile/hf/cache.py's DCPStaticCache is prepare for caches HF keeps outside modules: it
 # registers them once, when it allocates them.
 PREPARE_TIME = {
-    ("runtime/prepare.py", "_place_caches"), ("runtime/prepare.py", "_shard_mask_tables"), ("hf.py", "DCPStaticCache.__init__"),
+    ("runtime/prepare.py", "_place_caches"), ("runtime/prepare.py", "_shard_mask_tables"), ("hf/cache.py", "DCPStaticCache.__init__"),
 }
 
 
