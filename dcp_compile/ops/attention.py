@@ -11,7 +11,9 @@ so that a GPU kernel can be registered for each without touching the passes
   mask (the slots before ``kv_start_b`` hold pad positions);
 - ``window_attention``: attention of the new queries over the new keys/values still
   in hand, masked by their global positions (causal for prefill, decode and chain
-  verify), and from ``lower_b`` on under a left-padding mask.
+  verify) or, for a tree verify, by an ancestor mask ``[B, T, T]`` (a node sees its
+  ancestors and itself; siblings share a position, so positions cannot say it), and
+  from ``lower_b`` on under a left-padding mask in either case.
 
 A left-padding mask is a per-row lower bound on the key positions
 (``causal_mask.KeyLowerBound``), so it keeps each row's visible keys one range and the
@@ -156,14 +158,37 @@ def _prefix_attention_fake(q, k_cache, v_cache, kv_len, scale, kv_start=None):
     return q.new_empty((B, H, T, v_cache.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 
 
+def check_ancestors(ancestors: torch.Tensor | None, q: torch.Tensor, op: str = "window_attention") -> None:
+    """An ancestor mask, where given, is a bool tensor ``[B, T, T]`` on ``q``'s device
+    (``q [B, Hq, T, D]``): the kernels read it as one byte per (query, key)."""
+    if ancestors is None:
+        return
+    B, T = q.shape[0], q.shape[2]
+    if ancestors.dtype != torch.bool or tuple(ancestors.shape) != (B, T, T):
+        raise ValueError(
+            f"{op}: ancestors must be a bool tensor [B, T, T] = [{B}, {T}, {T}] (ancestors[b, t, s]: new token t "
+            f"may see new token s, its ancestors and itself), got {ancestors.dtype} {tuple(ancestors.shape)}; "
+            f"build it with one row per query token and compare it to 0 (or .bool()) if it holds integers"
+        )
+    if ancestors.device != q.device:
+        raise ValueError(
+            f"{op}: q and ancestors must be on one device, got {q.device} and {ancestors.device}; "
+            f"move ancestors with .to(q.device)"
+        )
+
+
 def window_attention_reference(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float,
-    lower: torch.Tensor | None = None,
+    lower: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` in plain torch, on any device."""
+    check_ancestors(ancestors, q)
 
     def allowed(rows: slice, keys: slice) -> torch.Tensor:
-        seen = positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+        if ancestors is None:
+            seen = positions[:, None, keys] <= positions[:, rows, None]  # [B, t, s]
+        else:
+            seen = ancestors[:, rows, keys]
         if lower is not None:
             seen = seen & (positions[:, None, keys] >= lower[:, None, None])
         return seen
@@ -174,16 +199,23 @@ def window_attention_reference(
 @torch.library.custom_op("dcp::window_attention", mutates_args=())
 def window_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor, scale: float,
-    lower: torch.Tensor | None = None,
+    lower: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the ``T`` new queries over the ``T`` new keys, causal by global
     position: query ``t`` sees key ``s`` where ``positions[b, s] <= positions[b, t]``;
-    ``lower [B]``: and ``positions[b, s] >= lower[b]`` (a left-padding mask)."""
-    return window_attention_reference(q, k_new, v_new, positions, scale, lower)
+    ``lower [B]``: and ``positions[b, s] >= lower[b]`` (a left-padding mask).
+
+    ``ancestors [B, T, T]`` (bool; a tree verify): query ``t`` sees key ``s`` where
+    ``ancestors[b, t, s]`` instead of by position (siblings share one), still only from
+    ``lower[b]`` on where a bound is given.  ``positions`` are then read for ``lower``
+    alone (they went into RoPE upstream).  A key no query may see may hold anything;
+    a key some query sees is a real token, and its values must be finite."""
+    return window_attention_reference(q, k_new, v_new, positions, scale, lower, ancestors)
 
 
 @window_attention.register_fake
-def _window_attention_fake(q, k_new, v_new, positions, scale, lower=None):
+def _window_attention_fake(q, k_new, v_new, positions, scale, lower=None, ancestors=None):
+    check_ancestors(ancestors, q)
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, v_new.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
 

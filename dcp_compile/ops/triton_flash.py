@@ -42,6 +42,17 @@ the first key a tile's queries can see at or past ``lower[b]`` and starts there.
 below the bound are masked at the load, like those past the length, so pad slots may
 hold anything.
 
+**Tree mask** (``ancestors``, the window op's argument of that name): query ``t`` sees
+key ``s`` iff ``ancestors[b, t, s]`` (bool ``[B, T, T]``), and no longer by position:
+siblings share a position, and an ancestor mask need not keep a tile's visible keys one
+range.  The loop then runs all ``T`` keys (a tree verify has at most a few hundred),
+skips no block by the position scan and masks every block: each one loads its
+``BLOCK_M x BLOCK_N`` tile of the mask (one byte an entry; the padding rows repeat the
+last token's) and sets the scores of keys a row may not see to ``-inf``.  Keys that no
+row of the tile sees are not loaded either, and with ``lower`` the keys below the bound
+stay unloaded as above, so both may hold anything; a key some row of the tile sees is
+a real token, weighted 0 for the rows that do not see it.
+
 Keys past the loop bound (slots past ``kv_len``, which may hold NaN) are masked at the
 load with ``other=0``, and in every block that is not wholly visible the scores of
 keys a row may not see are set to ``-inf`` with ``tl.where``: a NaN in an unused slot
@@ -67,7 +78,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
-from dcp_compile.ops.attention import window_attention, window_attention_reference
+from dcp_compile.ops.attention import check_ancestors, window_attention, window_attention_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -144,7 +155,7 @@ def window_bounds_from(POS_ROW, s_post, T, q_min, q_max, low, SCAN: tl.constexpr
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, KV_LEN, POS, LOWER, O, LSE,
+    Q, K, V, KV_LEN, POS, LOWER, ANC, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     T, S, G,
     s_qb, s_qh, s_qt, s_qd,
@@ -152,10 +163,12 @@ def _flash_fwd_kernel(
     s_vb, s_vh, s_vs, s_vd,
     s_pb, s_pt,
     s_lowb,
+    s_ab, s_at, s_as,
     s_ob, s_oh, s_ot, s_od,
     s_lb, s_lh, s_lt,
     WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_LOWER: tl.constexpr,
+    HAS_ANCESTORS: tl.constexpr,
 ):
     # D is the tile's head width, a power of two; q and the keys are DK wide, the values
     # and the output DV (transformers' expanded MLA: 192 and 128), read and written
@@ -191,6 +204,13 @@ def _flash_fwd_kernel(
         q_max = tl.max(q_pos, 0)
         if HAS_LOWER:
             low = tl.load(LOWER + b * s_lowb)
+        if HAS_ANCESTORS:
+            # Positions say nothing of a tree's visibility: every key is the loop's and
+            # no block is seen whole, so each one reads its tile of the mask.
+            hi = tl.full([], 0, tl.int32) + T
+            full = tl.full([], 0, tl.int32)
+            anc_rows = ANC + b * s_ab + tok * s_at
+        elif HAS_LOWER:
             first, full, hi = window_bounds_from(pos_base, s_pt, T, q_min, q_max, low, SCAN)
         else:
             full, hi = window_bounds(pos_base, s_pt, T, q_min, q_max, SCAN)
@@ -218,6 +238,10 @@ def _flash_fwd_kernel(
                 live = live & (tl.load(pos_base + keys * s_pt, mask=live, other=0) >= low)
             else:
                 live = live & (keys >= first)
+        if HAS_ANCESTORS:
+            anc = tl.load(anc_rows[:, None] + keys[None, :] * s_as, mask=live[None, :], other=0) != 0
+            # A key no row of the tile sees is not loaded: 0 * NaN cannot reach the sum.
+            live = live & (tl.max(anc.to(tl.int32), 0) > 0)
         if DK == D:  # the mask on the head axis only where it masks something
             k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
         else:
@@ -232,7 +256,9 @@ def _flash_fwd_kernel(
         # the mask.  Skipping it there made the window form ~1.5x faster on the H200;
         # a second, unmasked loop instead spilled registers (two pipelined loops).
         if (start + BLOCK_N > full) | (start < first):
-            if WINDOW:
+            if HAS_ANCESTORS:
+                visible = live[None, :] & anc
+            elif WINDOW:
                 k_pos = tl.load(pos_base + keys * s_pt, mask=live, other=0)
                 visible = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
             else:
@@ -340,10 +366,10 @@ def _blocks(q: torch.Tensor, width: int, window: bool, block_m: int | None,
     return block_m or default_m, block_n or default_n, num_warps, num_stages
 
 
-def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None):
+def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ancestors=None):
     """Launch the kernel in the prefix form (``kv_len`` given) or the window form;
     ``lower``: the rows' left-padding bounds (``kv_start`` of the prefix, ``lower`` of
-    the window)."""
+    the window); ``ancestors``: the window's tree mask."""
     window = positions is not None
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
@@ -361,15 +387,18 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None):
     pos_strides = positions.stride() if window else (0, 0)
     scan = scan_block(T, window)
     grid = (triton.cdiv(G * T, BLOCK_M), Hkv, B)
+    # One byte an entry, read as int8: the same memory, a dtype every Triton build loads.
+    anc = meta if ancestors is None else ancestors.view(torch.int8)
     wrap_triton(_flash_fwd_kernel)[grid](
-        q, k, v, meta, meta, meta if lower is None else lower, out, lse,
+        q, k, v, meta, meta, meta if lower is None else lower, anc, out, lse,
         scale * LOG2E,
         T, S, G,
         *q.stride(), *k.stride(), *v.stride(), *pos_strides, 0 if lower is None else lower.stride(0),
+        *((0, 0, 0) if ancestors is None else anc.stride()),
         *out.stride(), *lse.stride(),
         WINDOW=window, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SCAN=scan,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DK=DK, DV=DV, HAS_LOWER=lower is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_ANCESTORS=ancestors is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
 
@@ -407,15 +436,18 @@ def window_flash_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     lower: torch.Tensor | None = None,
+    ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` by the flash kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
     Widths, ``block_m`` and ``block_n`` as for ``prefix_flash_triton``.  ``lower [B]``:
-    keys at positions ``>= lower[b]`` only (a left-padding bound).
+    keys at positions ``>= lower[b]`` only (a left-padding bound).  ``ancestors [B,T,T]``
+    (bool): query ``t`` sees key ``s`` iff ``ancestors[b, t, s]``, instead of by position.
     """
     check_inputs("window", q, k_new, v_new, positions)
     check_lower("window_attention", "lower", lower, q)
-    return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n, lower)
+    check_ancestors(ancestors, q)
+    return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n, lower, ancestors)
 
 
 def check_lower(op: str, name: str, lower: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -437,14 +469,14 @@ def _window_form(k_new, v_new):
     return window_flash_triton
 
 
-def window_attention_any_width(q, k_new, v_new, positions, scale, lower=None):
+def window_attention_any_width(q, k_new, v_new, positions, scale, lower=None, ancestors=None):
     """The window kernel the registered op runs on CUDA, with the op's arguments."""
-    return _window_form(k_new, v_new)(q, k_new, v_new, positions, scale, lower=lower)
+    return _window_form(k_new, v_new)(q, k_new, v_new, positions, scale, lower=lower, ancestors=ancestors)
 
 
 @window_attention.register_kernel("cuda")
-def _window_attention_cuda(q, k_new, v_new, positions, scale, lower=None):
-    return window_attention_any_width(q, k_new, v_new, positions, scale, lower)
+def _window_attention_cuda(q, k_new, v_new, positions, scale, lower=None, ancestors=None):
+    return window_attention_any_width(q, k_new, v_new, positions, scale, lower, ancestors)
 
 
 @window_attention.register_torch_dispatch(FunctionalTensorMode)
