@@ -387,8 +387,9 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ance
     pos_strides = positions.stride() if window else (0, 0)
     scan = scan_block(T, window)
     grid = (triton.cdiv(G * T, BLOCK_M), Hkv, B)
-    # One byte an entry, read as int8: the same memory, a dtype every Triton build loads.
-    anc = meta if ancestors is None else ancestors.view(torch.int8)
+    # The bool mask goes in as it is (one byte an entry, loaded as int1): a dtype view of
+    # it would not lower in Inductor (no bitcast from bool).
+    anc = meta if ancestors is None else ancestors
     wrap_triton(_flash_fwd_kernel)[grid](
         q, k, v, meta, meta, meta if lower is None else lower, anc, out, lse,
         scale * LOG2E,
