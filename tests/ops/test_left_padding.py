@@ -270,7 +270,8 @@ def _trace_with_bound(op: str, device: str, t: int):
     ("window", 1, ["_flash_fwd_kernel"]),
     ("window", 100, ["_flash_fwd_kernel"]),
     ("prefix", 16, ["_prefix_split_kernel", "_merge_splits_kernel"]),
-    ("prefix", 17, ["_flash_fwd_kernel"]),
+    ("prefix", 17, ["_prefix_split_kernel", "_merge_splits_kernel"]),  # 4 flash tiles: the split-KV kernel
+    ("prefix", 2048, ["_flash_fwd_kernel"]),  # a prefill chunk: 256 flash tiles
 ])
 def test_cuda_graphs_take_the_bound_to_the_triton_kernels(op, t, kernels):
     """Compiled for CUDA, a bounded op is its Triton kernels (no reference fallback), and
