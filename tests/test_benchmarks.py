@@ -208,3 +208,24 @@ def test_the_hf_generate_speed_benchmark_times_both_arms_at_cpu_size():
     for key in keys:
         assert report["dcp_over_transformers"][key]["call"] == pytest.approx(
             report["dcp"][key]["call_s"] / report["transformers"][key]["call_s"], abs=2e-3)
+
+
+def test_the_tree_accept_table_matches_the_chain_of_dcp_compile_eval(tmp_path):
+    """``tree_accept_table.py --quick``: the cacheless chain gives the accept counts of
+    ``dcp-compile eval`` on the same prompts, the paths scoring agrees with the table's,
+    and every quick configuration has a row."""
+    import subprocess
+
+    out = tmp_path / "tree.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "tree_accept_table.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["chain_check"]["passed"] is True and report["paths_check"]["agree"] is True
+    assert report["chain_check"]["reference"] == pytest.approx(report["chain_check"]["eval"])
+    rows = report["configs"]
+    assert [(r["k"], r["topk"], r["draft_tokens"]) for r in rows] == [(3, 1, 3), (3, 2, 8), (3, 4, 16)]
+    for r in rows:
+        assert r["verify_tokens"] == r["draft_tokens"] + 1 and sum(r["accept_histogram"]) == r["verify_steps"]
+        assert 1 <= r["accept_length"] <= r["k"] + 1
+        assert r["accept_length"] == pytest.approx(r["mean_accepted"] + 1)
