@@ -196,27 +196,11 @@ def _held_out_loss(target: Llama, batches: list[torch.Tensor], device) -> float:
     return value
 
 
-def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool = True, log=print) -> dict:
-    """Train target then draft, save both to ``out``; returns the training record."""
-    from dcp_compile.models.pretrained import save_pair
-
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    started = time.perf_counter()
-    train_data, held_data = load_corpus("train"), load_corpus("held_out")
-    log(f"corpus: {len(corpus_files('train'))} train files ({train_data.numel() / 1e6:.1f} MB), "
-        f"{len(corpus_files('held_out'))} held-out files ({held_data.numel() / 1e6:.2f} MB) from {stdlib_root()}")
-    if train_data.numel() <= cfg.seq_len + 1 or held_data.numel() <= cfg.seq_len + 1:
-        raise ValueError(f"corpus too small for seq_len={cfg.seq_len}")
-    held_batches = [sample_windows(held_data, cfg.batch, cfg.seq_len + 1, torch.Generator().manual_seed(1000 + i))
-                    for i in range(4)]
-
-    def batches():
-        return sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
-
-    tcfg = cfg.target_config()
+def _train_target(cfg: TrainConfig, tcfg: LlamaConfig, device: torch.device, batches, held_batches: list,
+                  history: dict, progress: bool) -> Llama:
+    """The target from scratch on next-token loss; its train and held-out losses go into
+    ``history``.  Returns it frozen, in eval mode."""
     target = _init_normal(Llama(tcfg).to(device))
-    history: dict[str, list] = dict(target=[], target_held_out=[], draft=[], draft_agreement=[])
     step_fn = torch.compile(target_loss) if device.type == "cuda" else target_loss
 
     def target_step(step: int, windows: torch.Tensor):
@@ -236,7 +220,14 @@ def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool =
     target.train()
     _optimise(list(target.parameters()), cfg.target_steps, cfg.target_lr, cfg, "target", progress, batches, target_step)
     target.eval().requires_grad_(False)
+    return target
 
+
+def _train_draft(cfg: TrainConfig, tcfg: LlamaConfig, device: torch.device, target: Llama, batches, history: dict,
+                 progress: bool) -> EagleDraft:
+    """The EAGLE3 draft over the frozen target (its embedding shared and frozen), on the
+    test-time-training losses of ``cfg.ttt_steps`` chained steps, weighted ``0.8**j``; its
+    losses and agreement go into ``history``.  Returns it frozen, in eval mode."""
     draft = _init_normal(EagleDraft(DraftConfig(tcfg, "eagle3", n_features=len(tcfg.aux_layers))).to(device))
     draft.embed.weight.data.copy_(target.tok_embeddings.weight)
     draft.embed.weight.requires_grad_(False)
@@ -260,7 +251,31 @@ def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool =
     trainable = [p for p in draft.parameters() if p.requires_grad]
     _optimise(trainable, cfg.draft_steps, cfg.draft_lr, cfg, "draft", progress, batches, draft_step)
     draft.eval().requires_grad_(False)
+    return draft
 
+
+def train(cfg: TrainConfig, out: Path, device: torch.device, *, progress: bool = True, log=print) -> dict:
+    """Train target then draft, save both to ``out``; returns the training record."""
+    from dcp_compile.models.pretrained import save_pair
+
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    started = time.perf_counter()
+    train_data, held_data = load_corpus("train"), load_corpus("held_out")
+    log(f"corpus: {len(corpus_files('train'))} train files ({train_data.numel() / 1e6:.1f} MB), "
+        f"{len(corpus_files('held_out'))} held-out files ({held_data.numel() / 1e6:.2f} MB) from {stdlib_root()}")
+    if train_data.numel() <= cfg.seq_len + 1 or held_data.numel() <= cfg.seq_len + 1:
+        raise ValueError(f"corpus too small for seq_len={cfg.seq_len}")
+    held_batches = [sample_windows(held_data, cfg.batch, cfg.seq_len + 1, torch.Generator().manual_seed(1000 + i))
+                    for i in range(4)]
+
+    def batches():
+        return sample_windows(train_data, cfg.batch, cfg.seq_len + 1, gen).to(device)
+
+    tcfg = cfg.target_config()
+    history: dict[str, list] = dict(target=[], target_held_out=[], draft=[], draft_agreement=[])
+    target = _train_target(cfg, tcfg, device, batches, held_batches, history, progress)
+    draft = _train_draft(cfg, tcfg, device, target, batches, history, progress)
     record = dict(
         train_config=asdict(cfg),
         data=dict(source=str(stdlib_root()), held_out_rule=f"crc32(relative path) % {HELD_OUT_MODULUS} == 0",

@@ -1,8 +1,9 @@
 """prepare: discover a model's KV caches and give each rank the buffers it will own.
 
 Dynamo traces with real shapes, so the local cache buffers must exist before
-``torch.compile`` sees the model.  ``prepare`` runs a discovery trace (Dynamo on fake
-tensors, nothing is executed), reuses the ``find`` pass to locate the caches, then:
+``torch.compile`` sees the model.  ``prepare`` runs a discovery trace (``discovery``:
+Dynamo on fake tensors, nothing is executed), reuses the ``find`` pass to locate the
+caches, then:
 
 - target role, group of N > 1: checks that every attention over a cache has a mask
   proven position-causal (``passes.causal_mask``), swaps every cache for a zeroed local
@@ -18,10 +19,7 @@ deadlocking or corrupting a collective later.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
-import inspect
 import itertools
 import math
 import re
@@ -31,17 +29,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dcp_compile.group import DCPGroup, gather_from_ranks
 from dcp_compile.layout import KVLayout
-from dcp_compile.memory import GiB, CapacityError
+from dcp_compile.memory import CapacityError, GiB
 from dcp_compile.ops.guard import guard
-from dcp_compile.passes.find import find
+from dcp_compile.passes.find import Plan, find
 from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_table
-from dcp_compile.group import DCPGroup, gather_from_ranks
-
-_TOKEN_ARGS = ("tokens", "input_ids", "idx", "token_ids")
-_ROW_POSITION_ARGS = ("positions", "position_ids")
-_SHARED_POSITION_ARGS = ("input_pos", "cache_position")
+from dcp_compile.runtime.discovery import default_example_inputs, discover, replace_tensor
 
 
 @dataclass(frozen=True)
@@ -54,72 +49,6 @@ class Prepared:
     """Buffers whose last axis was sharded to the local cache length."""
     kv_bytes: int
     """Bytes of KV cache this rank holds for the model."""
-
-
-class _DiscoveryDone(Exception):
-    pass
-
-
-def _default_example_inputs(model: nn.Module, max_batch: int, device: torch.device) -> tuple:
-    known = _TOKEN_ARGS + _ROW_POSITION_ARGS + _SHARED_POSITION_ARGS
-    params = []
-    for p in inspect.signature(model.forward).parameters.values():
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            break
-        if p.default is not p.empty and p.name not in known:
-            break  # gpt-fast's forward(idx, input_pos=None): a defaulted position still counts
-        params.append(p)
-    args = []
-    for p in params:
-        if p.name in _TOKEN_ARGS or p.name in _ROW_POSITION_ARGS:
-            args.append(torch.zeros(max_batch, 1, dtype=torch.long, device=device))
-        elif p.name in _SHARED_POSITION_ARGS:
-            args.append(torch.zeros(1, dtype=torch.long, device=device))
-        else:
-            names = ", ".join(q.name for q in params)
-            raise ValueError(
-                f"prepare cannot build a discovery call for {type(model).__name__}.forward({names}): it knows "
-                f"token arguments {_TOKEN_ARGS} and position arguments {_ROW_POSITION_ARGS + _SHARED_POSITION_ARGS}, "
-                f"not {p.name!r}. Pass example_inputs=(...), the positional arguments of one decode call"
-            )
-    return tuple(args)
-
-
-@contextlib.contextmanager
-def _forget_traced_sizes():
-    """Drop the sizes Dynamo records for automatic dynamic shapes during the discovery
-    trace: left behind, they make the model's first real compile (at another size)
-    symbolic, which ``dcp.backend`` refuses.  The record is Dynamo's internal
-    ``pgo._CODE_STATE``; on a torch without it there is nothing to drop."""
-    pgo = getattr(torch._dynamo, "pgo", None)
-    before = copy.deepcopy(getattr(pgo, "_CODE_STATE", None))
-    try:
-        yield
-    finally:
-        if pgo is not None and getattr(pgo, "_CODE_STATE", None) is not None:
-            pgo._CODE_STATE.clear()
-            pgo._CODE_STATE.update(before or {})
-
-
-def trace_graph(model: nn.Module, example_inputs: tuple):
-    """Dynamo's FX graph of ``model(*example_inputs)`` and its real inputs; runs nothing."""
-    captured = {}
-
-    def capture(gm, inputs, **_):
-        captured["gm"], captured["inputs"] = gm, list(inputs)
-        raise _DiscoveryDone
-
-    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
-    try:
-        with torch.no_grad(), _forget_traced_sizes():
-            compiled(*example_inputs)
-    except Exception as error:  # Dynamo wraps the backend's exception
-        if "gm" not in captured:
-            raise ValueError(
-                f"prepare's discovery trace of {type(model).__name__} failed: {error}. The model must trace "
-                f"with torch.compile(fullgraph=True) on example_inputs"
-            ) from error
-    return captured["gm"], captured["inputs"]
 
 
 def _fingerprint(model: nn.Module, role: str, *prepare_args: int) -> int:
@@ -144,30 +73,6 @@ def _check_ranks_agree(group: DCPGroup, fingerprint: int, role: str) -> None:
         )
 
 
-def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
-    """id(tensor) -> (qualified name, owning module, attribute name), for buffers and plain
-    tensor attributes (gpt-fast keeps ``causal_mask`` as one)."""
-    owners = {}
-    for mod_name, module in model.named_modules():
-        tensors = {a: t for a, t in vars(module).items() if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)}
-        tensors.update((a, b) for a, b in module._buffers.items() if b is not None)
-        for attr, tensor in tensors.items():
-            owners[id(tensor)] = (f"{mod_name}.{attr}" if mod_name else attr, module, attr)
-    return owners
-
-
-def _replace(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
-    if attr in module._buffers:
-        module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
-    else:
-        setattr(module, attr, tensor)
-
-
-def _tensors(model: nn.Module):
-    yield from model.parameters()
-    yield from model.buffers()
-
-
 def _home_device(model: nn.Module) -> torch.device:
     """Where this model computes: the device of its parameters (of its buffers if it has none)."""
     devices = {p.device for p in model.parameters() if not p.is_meta}
@@ -182,37 +87,6 @@ def _home_device(model: nn.Module) -> torch.device:
         raise ValueError(f"{type(model).__name__} has parameters on several devices {sorted(map(str, devices))}; "
                          f"put the whole model on one device before prepare")
     return devices.pop()
-
-
-def _trace_on_meta(model: nn.Module, example_inputs: tuple):
-    """``trace_graph`` for a model whose KV caches were built on the meta device.
-
-    Fake tensors cannot mix devices, so every parameter, buffer and tensor attribute is
-    swapped for a meta copy for the trace and put back afterwards.  Returns the graph, its
-    (meta) inputs and their owners."""
-    params, swapped = [], []
-    for module in model.modules():
-        params += [(module, name, p) for name, p in module._parameters.items() if p is not None]
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                swapped.append((module, name, buf))
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                swapped.append((module, name, value))
-    try:
-        for module, name, p in params:
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-        for module, name, tensor in swapped:
-            _replace(module, name, tensor.to("meta"))
-        meta_inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_inputs)
-        gm, inputs = trace_graph(model, meta_inputs)
-        owners = _owners(model)
-    finally:
-        for module, name, p in params:
-            module._parameters[name] = p
-        for module, name, tensor in swapped:
-            _replace(module, name, tensor)
-    return gm, inputs, owners
 
 
 def _check_free_memory(device: torch.device, pending: list, rank: int) -> None:
@@ -319,24 +193,6 @@ def _refuse_replaced_caches(model: nn.Module, placed) -> None:
     model._apply = _apply
 
 
-def _discover(model: nn.Module, forward_args: tuple, defaulted: bool, max_batch: int):
-    """The discovery trace of ``model(*forward_args)`` (``defaulted``: arguments prepare
-    built from the forward signature): ``(graph, its inputs, owner of each model tensor)``."""
-    try:
-        if any(t.is_meta for t in _tensors(model)):
-            return _trace_on_meta(model, forward_args)
-        gm, inputs = trace_graph(model, forward_args)
-        return gm, inputs, _owners(model)
-    except ValueError as error:
-        if not defaulted:
-            raise
-        raise ValueError(
-            f"{error}. prepare called forward with {max_batch} rows (max_batch={max_batch}): if the model's KV "
-            f"caches hold another number of rows, build the model for max_batch={max_batch}, or pass "
-            f"example_inputs="
-        ) from error
-
-
 def _check_forward_with_shards(model: nn.Module, forward_args: tuple, placed: list, max_seq_len: int) -> None:
     """One forward on fake tensors with this rank's shards in place (nothing real is
     read or written).  A model that sizes a tensor by ``max_seq_len`` where it meets the
@@ -397,7 +253,7 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
         )))
     _check_free_memory(home, pending, rank)
     for module, attr, shape, dtype in pending:
-        _replace(module, attr, torch.zeros(shape, dtype=dtype, device=home))
+        replace_tensor(module, attr, torch.zeros(shape, dtype=dtype, device=home))
     for module, attr, record in placed:
         tensor = getattr(module, attr)
         register(tensor, record)
@@ -430,10 +286,46 @@ def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str
                 f"slots (table[p, s] == (s <= p)); DCP shards full causal attention only"
             )
         local = _local_mask(tensor, layout)
-        _replace(module, attr, local)
+        replace_tensor(module, attr, local)
         register_table(local, qualname)
         mask_names.append(qualname)
     return mask_names
+
+
+def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens) -> bool:
+    """Refuse ``prepare``'s arguments before any rank exchanges anything or the model is
+    touched; returns whether the role's caches are sharded over the group."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("interleave", interleave)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(verify_tokens, int) or verify_tokens < 0:
+        raise ValueError(f"verify_tokens must be a non-negative int, got {verify_tokens!r}")
+    sharded = role == "target" and group.size > 1
+    if sharded and group.size * interleave > max_seq_len:
+        raise ValueError(
+            f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
+            f"ranks would own no position. Use a group of at most {max_seq_len // interleave} ranks or a larger max_seq_len"
+        )
+    return sharded
+
+
+def _find_caches(model: nn.Module, gm, sharded: bool) -> Plan:
+    """The ``find`` plan of the discovery graph, refused when it holds no KV cache or, for
+    sharded caches, an attention whose mask is not proven position-causal."""
+    plan = find(gm)
+    if sharded:
+        for site in plan.sites:
+            if not site.mask.proven:
+                raise GraphPatternError(site.mask.failure)
+    if not plan.caches:
+        raise ValueError(
+            f"{type(model).__name__} has no KV cache: expected buffers written along a sequence axis by "
+            f"index_copy_, index_put_ or cache[..., positions, ...] = kv in forward, found none. "
+            f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
+        )
+    return plan
 
 
 def prepare(
@@ -462,36 +354,14 @@ def prepare(
             for a chain of ``k`` drafts); a sharded target's caches get that many staging
             slots after the trash slot. 0: no verify graphs.
     """
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("interleave", interleave)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(verify_tokens, int) or verify_tokens < 0:
-        raise ValueError(f"verify_tokens must be a non-negative int, got {verify_tokens!r}")
-    sharded = role == "target" and group.size > 1
-    if sharded and group.size * interleave > max_seq_len:
-        raise ValueError(
-            f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
-            f"ranks would own no position. Use a group of at most {max_seq_len // interleave} ranks or a larger max_seq_len"
-        )
+    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens)
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
 
     home = _home_device(model)
     defaulted = example_inputs is None
-    forward_args = tuple(_default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
-    gm, inputs, owners = _discover(model, forward_args, defaulted, max_batch)
-    plan = find(gm)
-    if sharded:
-        for site in plan.sites:
-            if not site.mask.proven:
-                raise GraphPatternError(site.mask.failure)
-    if not plan.caches:
-        raise ValueError(
-            f"{type(model).__name__} has no KV cache: expected buffers written along a sequence axis by "
-            f"index_copy_, index_put_ or cache[..., positions, ...] = kv in forward, found none. "
-            f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
-        )
+    forward_args = tuple(default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
+    gm, inputs, owners = discover(model, forward_args, defaulted, max_batch)
+    plan = _find_caches(model, gm, sharded)
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
                                      home, group.rank)

@@ -35,7 +35,7 @@ def make_model(cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, device="cpu
 
 def capture_graph(model: nn.Module, *inputs):
     """The Dynamo FX graph of ``model(*inputs)`` and its real inputs, without running it."""
-    from dcp_compile.runtime.prepare import trace_graph
+    from dcp_compile.runtime.discovery import trace_graph
 
     return trace_graph(model, inputs)
 
