@@ -320,33 +320,11 @@ def accept_sampled(
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return accept_greedy(tree, target_logits)
     B = tree.tokens.shape[0]
-    k, topk = tree.shape.k, tree.shape.topk
-    device = target_logits.device
-    draws = noise if isinstance(noise, TreeDraws) else draw(noise, B, tree.shape, target_logits.shape[-1], device)
+    draws = noise if isinstance(noise, TreeDraws) else draw(noise, B, tree.shape, target_logits.shape[-1],
+                                                            target_logits.device)
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
     p_all = probs_at(target_logits, divisor)  # [B, N+1, V]
-    children = tree.children()  # [B, N+1, topk]
-    at = torch.zeros(B, dtype=torch.long, device=device)
-    p = p_all[:, 0]
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    nodes = []
-    for depth in range(k):
-        tried = children.gather(1, at.view(B, 1, 1).expand(B, 1, topk))[:, 0]  # [B, topk]
-        took = torch.zeros_like(alive)
-        chosen = torch.zeros_like(at)
-        for i in range(topk):
-            child = tried[:, i]
-            live = alive & ~took & (child >= 0)
-            token = tree.tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
-            # Accept with p(x) / sum(p): p stays unnormalized after removals.
-            ok = live & (draws.uniforms[:, depth, i] * p.sum(-1) < p.gather(1, token)[:, 0])
-            took, chosen = took | ok, torch.where(ok, child, chosen)
-            p = torch.where((live & ~ok)[:, None], _reject(p, token), p)
-        alive = took
-        at = torch.where(took, chosen + 1, at)
-        p = torch.where(took[:, None], p_all.gather(1, at.view(B, 1, 1).expand(B, 1, p.shape[-1]))[:, 0], p)
-        nodes.append(torch.where(took, chosen, -1))
-    nodes = torch.stack(nodes, dim=1)
+    nodes, p, at = _walk_sampled(tree, p_all, draws)
     # A rejected child carries all that is left of p only through rounding; keep p then.
     weights = torch.where(p.sum(-1, keepdim=True) > 0, p, p_all.gather(1, at.view(B, 1, 1).expand_as(p[:, None]))[:, 0])
     sampled = Accepted((nodes >= 0).sum(-1), nodes, (weights / draws.clocks).argmax(-1))
@@ -356,6 +334,44 @@ def accept_sampled(
     rows = sampled_rows[:, None]
     return Accepted(torch.where(sampled_rows, sampled.count, greedy.count), torch.where(rows, sampled.nodes, greedy.nodes),
                     torch.where(sampled_rows, sampled.bonus, greedy.bonus))
+
+
+def _walk_sampled(tree: Tree, p_all: torch.Tensor, draws: TreeDraws):
+    """``accept_sampled``'s walk from the root: ``(nodes [B, k], p [B, V], at [B])``, the
+    accepted nodes (-1 past the path), what is left of ``p`` at the last node, and that
+    node (0: the root)."""
+    B, V = p_all.shape[0], p_all.shape[-1]
+    k, topk = tree.shape.k, tree.shape.topk
+    children = tree.children()  # [B, N+1, topk]
+    at = torch.zeros(B, dtype=torch.long, device=p_all.device)
+    p = p_all[:, 0]
+    alive = torch.ones(B, dtype=torch.bool, device=p_all.device)
+    nodes = []
+    for depth in range(k):
+        tried = children.gather(1, at.view(B, 1, 1).expand(B, 1, topk))[:, 0]  # [B, topk]
+        took, chosen, p = _try_children(tree, tried, p, alive, draws.uniforms[:, depth])
+        alive = took
+        at = torch.where(took, chosen + 1, at)
+        p = torch.where(took[:, None], p_all.gather(1, at.view(B, 1, 1).expand(B, 1, V))[:, 0], p)
+        nodes.append(torch.where(took, chosen, -1))
+    return torch.stack(nodes, dim=1), p, at
+
+
+def _try_children(tree: Tree, tried: torch.Tensor, p: torch.Tensor, alive: torch.Tensor, uniforms: torch.Tensor):
+    """One depth of ``accept_sampled``: the children ``tried [B, topk]`` of each row's
+    node in turn, each accepted with ``p(x) / sum(p)`` or removed from ``p``.  Returns
+    ``(took [B], chosen [B], p)``."""
+    took = torch.zeros_like(alive)
+    chosen = torch.zeros_like(tried[:, 0])
+    for i in range(tried.shape[1]):
+        child = tried[:, i]
+        live = alive & ~took & (child >= 0)
+        token = tree.tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
+        # Accept with p(x) / sum(p): p stays unnormalized after removals.
+        ok = live & (uniforms[:, i] * p.sum(-1) < p.gather(1, token)[:, 0])
+        took, chosen = took | ok, torch.where(ok, child, chosen)
+        p = torch.where((live & ~ok)[:, None], _reject(p, token), p)
+    return took, chosen, p
 
 
 def emitted(tree: Tree, accepted: Accepted) -> torch.Tensor:
