@@ -45,6 +45,7 @@ from dcp_compile.group import DCPGroup
 from dcp_compile.hf import cache_kwarg, compile_for_generate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import leave  # noqa: E402
 from gpu_hf import build_model  # noqa: E402
 
 
@@ -192,7 +193,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    main()
+    leave()

@@ -34,8 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dcp_compile.ops import attention
 from dcp_compile.ops.triton_flash import window_flash_triton
-from tests.ops.test_attention import attention_float64
-from tests.ops.test_triton_flash import _calls, reference_16bit
+from tests.ops.test_triton_flash import _calls, check_against_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
@@ -132,29 +131,6 @@ def op_args(args):
     return {key: value for key, value in args.items() if key not in ("block_m", "block_n")}
 
 
-def check_against_float64(out, lse, args, allowed):
-    """Rows with no key exactly 0 / -inf, no NaN anywhere, the others as float64."""
-    q = args["q"]
-    k, v = (x.nan_to_num(0.0) for x in (args["k_new"], args["v_new"]))  # NaN only where nothing sees it
-    ref_out, ref_lse = attention_float64(q, k, v, allowed, SCALE)
-    assert out.dtype == lse.dtype == torch.float32
-    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == q.shape[:3]
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "a key no row may see leaked"
-    empty = ~allowed.any(-1)[:, None, :].expand_as(lse)
-    assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all(), "a row that sees nothing"
-    seen = ~empty
-    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], **LSE_TOLERANCE)
-    if q.dtype == torch.float32:
-        torch.testing.assert_close(out.double()[seen], ref_out[seen], **FP32_TOLERANCE)
-    else:
-        low = reference_16bit(q, k, v, allowed, SCALE).double()
-        budget = (low - ref_out)[seen].abs().max().item()
-        error = (out.double() - ref_out)[seen].abs().max().item()
-        # budget 0 only where each row sees one key (T = 1): out is then that value, exactly
-        assert budget < 0.1, f"the {q.dtype} reference is off by {budget}: the case is broken"
-        assert error <= budget, f"kernel off float64 by {error:.2e}, a {q.dtype} reference by {budget:.2e}"
-
-
 def build_cases():
     """Name -> ``(window_flash_triton arguments, allowed mask)``."""
     cases = {}
@@ -209,7 +185,7 @@ def cpu_op(args):
 @pytest.mark.parametrize("name", MEASURED)
 def test_cpu_kernel_matches_float64(name):
     args, allowed = CASES[name]
-    check_against_float64(*cpu_op(args), args, allowed)
+    check_against_reference(*cpu_op(args), args, allowed)
 
 
 def test_cpu_kernel_reads_the_mask_tile_by_tile():
@@ -219,7 +195,7 @@ def test_cpu_kernel_reads_the_mask_tile_by_tile():
     small = functools.partial(attention.blocked_attention, query_block=16, key_block=16)
     with mock.patch.object(attention, "blocked_attention", small):
         out, lse = cpu_op(args)
-    check_against_float64(out, lse, args, allowed)
+    check_against_reference(out, lse, args, allowed)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -259,7 +235,7 @@ def test_cpu_rows_on_a_path_ignore_the_keys_off_it():
 @pytest.mark.parametrize("name", MEASURED)
 def test_triton_kernel_matches_float64(interpreted, name):
     args, allowed = CASES[name]
-    check_against_float64(*interpreted[name], args, allowed)
+    check_against_reference(*interpreted[name], args, allowed)
 
 
 @pytest.mark.parametrize("name", [n for n in MEASURED if CASES[n][0]["q"].dtype == torch.float32])
@@ -380,7 +356,7 @@ def _cuda(args):
 def test_triton_kernel_matches_float64_on_gpu(name):
     args, allowed = CASES[name]
     out, lse = (x.cpu() for x in window_flash_triton(**_cuda(args)))
-    check_against_float64(out, lse, args, allowed)
+    check_against_reference(out, lse, args, allowed)
 
 
 @pytest.mark.gpu
@@ -397,4 +373,4 @@ def test_inductor_takes_the_mask_to_the_kernel_on_gpu():
     compiled = torch.compile(step, backend="inductor", fullgraph=True)
     (out, lse), code = run_and_get_code(compiled, *(cuda[n] for n in ("q", "k_new", "v_new", "positions", "ancestors")))
     assert "_flash_fwd_kernel" in "\n".join(code) and "dcp.window_attention" not in "\n".join(code)
-    check_against_float64(out.cpu(), lse.cpu(), args, allowed)
+    check_against_reference(out.cpu(), lse.cpu(), args, allowed)

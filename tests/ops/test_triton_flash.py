@@ -181,7 +181,8 @@ def check_against_reference(out, lse, args, allowed):
         low = reference_16bit(q, k, v, allowed, SCALE).double()
         budget = (low - ref_out)[seen].abs().max().item()
         error = (out.double() - ref_out)[seen].abs().max().item()
-        assert 0 < budget < 0.1, f"the {q.dtype} reference is off by {budget}: the case is broken"
+        # budget 0 only where each row sees one key (a tree's lone nodes): out is then that value, exactly
+        assert budget < 0.1 and (budget > 0 or error == 0), f"the {q.dtype} reference is off by {budget}: the case is broken"
         assert error <= budget, f"kernel off float64 by {error:.2e}, a {q.dtype} reference by {budget:.2e}"
 
 
