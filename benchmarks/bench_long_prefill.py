@@ -195,7 +195,7 @@ def long_phase(args, group, device) -> dict | None:
                               lowering=lowering_for(device), cuda_graphs=device.type == "cuda", chunk_size=chunk_size)
     gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    decoder.generate([torch.randint(0, cfg.vocab_size, (37,), generator=gen).tolist()] * batch, 8)
+    dcp.generate_all(decoder, [torch.randint(0, cfg.vocab_size, (37,), generator=gen).tolist()] * batch, 8)
     summary["compile_s"] = time.perf_counter() - start
     log(group.rank, f"compiled and captured in {summary['compile_s']:.1f} s")
     prompts = [torch.randint(0, cfg.vocab_size, (length,), generator=gen).tolist() for _ in range(batch)]
@@ -209,7 +209,7 @@ def long_phase(args, group, device) -> dict | None:
 
     sync(device)
     start = time.perf_counter()
-    outputs = decoder.generate(prompts, args.new_tokens, on_tokens=first_tokens)
+    outputs = dcp.generate_all(decoder, prompts, args.new_tokens, on_tokens=first_tokens)
     sync(device)
     end = time.perf_counter()
     steps = max(len(o.accepted) for o in outputs)

@@ -64,7 +64,7 @@ def loop_seconds_per_step(decoder, prompts, short: int, long: int, reps: int, de
     def run(new: int) -> tuple[float, int]:
         sync(device)
         start = time.perf_counter()
-        decoder.generate(prompts, new)
+        dcp.generate_all(decoder, prompts, new)
         sync(device)
         return time.perf_counter() - start, decoder.device_step.verify_steps
 

@@ -45,13 +45,13 @@ def run(group, cuda_graphs: bool, comm: str) -> dict:
                               dtype=torch.bfloat16)
     decoder = SpecDecoder(target, draft, group, k=K, max_batch=len(prompts), max_seq_len=max_seq_len,
                           cuda_graphs=cuda_graphs, comm=comm, check_ranks=True)
-    decoder.generate(prompts, NEW)
+    dcp.generate_all(decoder, prompts, NEW)
     print(f"[rank {group.rank} {time.strftime('%H:%M:%S')}] first generation done", file=sys.stderr, flush=True)
     graphs_before = counters["stats"]["unique_graphs"]
     captures_before = [r.captures for r in decoder.graph_runners]
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = decoder.generate(prompts, NEW)
+    outputs = dcp.generate_all(decoder, prompts, NEW)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return dict(

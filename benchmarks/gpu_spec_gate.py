@@ -64,7 +64,7 @@ def decode(kind: str, group, device, temperature: float, dtype: torch.dtype, arg
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in lengths]
     start = time.perf_counter()
-    outputs = decoder.generate(prompts, NEW_TOKENS)
+    outputs = dcp.generate_all(decoder, prompts, NEW_TOKENS)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return outputs, time.perf_counter() - start

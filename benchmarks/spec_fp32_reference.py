@@ -27,7 +27,7 @@ def worker(rank: int, size: int) -> dict:
                               dtype=torch.float32)
     decoder = SpecDecoder(target, draft, group, k=K, max_batch=len(prompts), max_seq_len=max_seq_len,
                           lowering="aot_eager", check_ranks=True)
-    outputs = decoder.generate(prompts, NEW)
+    outputs = dcp.generate_all(decoder, prompts, NEW)
     return dict(tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
                 accept_len=sum(a + 1 for o in outputs for a in o.accepted) / sum(len(o.accepted) for o in outputs))
 
