@@ -86,6 +86,44 @@ def test_no_import_circle():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+LAYERS = (
+    ("files", "layout", "group", "records", "text"),
+    ("models",),
+    ("ops",),
+    ("passes",),
+    ("backend",),
+    ("memory",),
+    ("runtime",),
+    ("dcp_compile",),  # the package's public surface, which the commands below import
+    ("hf",),
+    ("loading", "export"),
+    ("training", "gate"),
+    ("arms", "serve_requests"),
+    ("serve_engine",),
+    ("serve_http",),
+    ("serve", "cli"),
+)
+"""The package's layers, lowest first: a module imports only from its own layer's parts or
+from lower layers (``dcp_compile.runtime.spec`` -> ``dcp_compile.ops`` runs down; the
+reverse would run back up)."""
+
+
+def layer_of(module: str) -> int:
+    part = module.split(".")[1] if "." in module else module
+    for index, names in enumerate(LAYERS):
+        if part in names:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its top-level name there")
+
+
+def test_no_arrow_runs_back_up_the_layers():
+    upward = sorted(
+        (a, b) for a, targets in import_graph().items() for b in targets
+        if a.split(".")[:2] != b.split(".")[:2] and layer_of(b) > layer_of(a)
+    )
+    assert not upward, f"imports that run back up the layers (importer, imported): {upward}"
+
+
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 """From the ``def`` line to the last; Triton kernels (``@triton.jit``) are exempt."""
