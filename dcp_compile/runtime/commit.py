@@ -8,6 +8,11 @@ many tokens each sequence accepted, ``KVCommit(start, accepted)`` copies staging
 it (the others write to their trash slot).  Static shapes, no data-dependent control
 flow: it compiles to one small graph.
 
+A tree verify stages its nodes in tree order, so the accepted path is not a prefix of
+the staging slots: ``KVCommit(start, accepted, path)`` takes ``path [B, T]``, the
+staging index of the path's ``t``-th token (``runtime.tree.commit_slots``), and moves
+staging slot ``path[b, t]`` to the owner of position ``start[b] + t``.
+
 On a group of size 1 the verify graph already wrote in place (plain torch.compile
 semantics; later tokens overwrite rejected ones), so the commit does nothing.
 """
@@ -22,8 +27,9 @@ from dcp_compile.records import CacheRecord, record_for
 
 
 class KVCommit(nn.Module):
-    """``forward(start [B], accepted [B])``: commit ``accepted[b]`` tokens from position
-    ``start[b]`` of every sequence, for every staged target cache of ``model``."""
+    """``forward(start [B], accepted [B], path [B, T] | None)``: commit ``accepted[b]``
+    tokens from position ``start[b]`` of every sequence, for every staged target cache of
+    ``model``; the ``t``-th from staging slot ``t``, or ``path[b, t]`` when given."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -44,10 +50,11 @@ class KVCommit(nn.Module):
         """False on a group of size 1, where verify graphs write in place."""
         return bool(self._records)
 
-    def forward(self, start: torch.Tensor, accepted: torch.Tensor) -> None:
+    def forward(self, start: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor | None = None) -> None:
         for record, cache in zip(self._records, self.buffers()):
             layout = record.layout
-            steps = torch.arange(record.verify_tokens, device=start.device)
+            width = record.verify_tokens if path is None else path.shape[1]
+            steps = torch.arange(width, device=start.device)
             positions = start[:, None] + steps  # [B, T]
             slots = local_slots(
                 positions, size=layout.size, rank=layout.rank, interleave=layout.interleave, max_seq_len=layout.max_seq_len
@@ -55,6 +62,19 @@ class KVCommit(nn.Module):
             slots = torch.where(steps < accepted[:, None], slots, layout.trash_slot)
             view = cache_BHSD(cache, seq_dim=record.seq_dim)
             first = layout.local_cache_len
-            staged = view[:, :, first : first + record.verify_tokens].transpose(1, 2).clone()  # [B, T, H, D]
             rows = torch.arange(view.shape[0], device=start.device)[:, None]
+            if path is None:
+                staged = view[:, :, first : first + record.verify_tokens].transpose(1, 2).clone()  # [B, T, H, D]
+            else:
+                _check_path(path, view.shape[0], record.verify_tokens)
+                staged = view[rows, :, first + path]  # advanced indexing copies: [B, T, H, D]
             view[rows, :, slots] = staged
+
+
+def _check_path(path: torch.Tensor, batch: int, verify_tokens: int) -> None:
+    """Shapes only (a captured commit reads no values on the host)."""
+    if path.dim() != 2 or path.shape[0] != batch or path.shape[1] > verify_tokens or path.dtype != torch.long:
+        raise ValueError(
+            f"KVCommit's path must be int64 [batch={batch}, at most verify_tokens={verify_tokens}]: the staging slot "
+            f"of each accepted token; got {path.dtype} {tuple(path.shape)} (runtime.tree.commit_slots gives it)"
+        )
