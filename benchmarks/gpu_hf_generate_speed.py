@@ -142,30 +142,22 @@ def main() -> int:
         batch=args.batch, widths=widths, new_tokens=[args.new_tokens, args.short_new_tokens], reps=args.reps,
         chunk_size=args.chunk_size, capacity=capacity, command=" ".join([os.path.basename(sys.executable), *sys.argv]),
     )
+    def arm(name: str, generate) -> torch.Tensor:
+        """Warm-up, the timed rows and the first-step logits of one arm, into the report."""
+        start = time.perf_counter()
+        generate(*(t.to(device) for t in probe), 2)
+        report[f"{name}_warmup_s"] = round(time.perf_counter() - start, 2)
+        graphs_before = graphs()
+        report[name] = measure(generate, widths, args, model.config.vocab_size, device, lambda: graphs() - graphs_before)
+        return first_step_logits(lambda i, m: generate(i, m, 2, **scores), *probe, device)
+
     print("transformers' generate() with its compiled static cache ...", flush=True)
-    start = time.perf_counter()
-    transformers_generate(*(t.to(device) for t in probe), 2)
-    report["transformers_warmup_s"] = round(time.perf_counter() - start, 2)
-    graphs_before = graphs()
-    report["transformers"] = measure(transformers_generate, widths, args, model.config.vocab_size, device,
-                                     lambda: graphs() - graphs_before)
-    compiled_logits = first_step_logits(lambda i, m: transformers_generate(i, m, 2, **scores), *probe, device)
-
+    compiled_logits = arm("transformers", transformers_generate)
     print("generate() after compile_for_generate ...", flush=True)
-    lowering = "aot_eager" if args.small else "inductor"
-    compile_for_generate(model, group, lowering=lowering, cascade=True, chunk_size=args.chunk_size,
-                         max_batch_size=args.batch, max_cache_len=capacity)
-
-    def dcp_generate(ids, mask, new_tokens, **extra):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **options, **extra)
-
-    start = time.perf_counter()
-    dcp_generate(*(t.to(device) for t in probe), 2)
-    report["dcp_warmup_s"] = round(time.perf_counter() - start, 2)
-    graphs_before = graphs()
-    report["dcp"] = measure(dcp_generate, widths, args, model.config.vocab_size, device,
-                            lambda: graphs() - graphs_before)
-    dcp_logits = first_step_logits(lambda i, m: dcp_generate(i, m, 2, **scores), *probe, device)
+    compile_for_generate(model, group, lowering="aot_eager" if args.small else "inductor", cascade=True,
+                         chunk_size=args.chunk_size, max_batch_size=args.batch, max_cache_len=capacity)
+    dcp_logits = arm("dcp", lambda ids, mask, new_tokens, **extra: model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, **options, **extra))
 
     def distance(logits):  # the largest gap over the reference's spread, per row
         return round(float(((logits - eager_logits).abs().amax(-1) / eager_logits.std(-1)).max()), 4)
