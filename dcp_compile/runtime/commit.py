@@ -51,6 +51,9 @@ class KVCommit(nn.Module):
         return bool(self._records)
 
     def forward(self, start: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        if path is not None and self._records:  # one batch and one staging width for every cache
+            record = self._records[0]
+            _check_path(path, cache_BHSD(next(self.buffers()), seq_dim=record.seq_dim).shape[0], record.verify_tokens)
         for record, cache in zip(self._records, self.buffers()):
             layout = record.layout
             width = record.verify_tokens if path is None else path.shape[1]
@@ -66,7 +69,6 @@ class KVCommit(nn.Module):
             if path is None:
                 staged = view[:, :, first : first + record.verify_tokens].transpose(1, 2).clone()  # [B, T, H, D]
             else:
-                _check_path(path, view.shape[0], record.verify_tokens)
                 staged = view[rows, :, first + path]  # advanced indexing copies: [B, T, H, D]
             view[rows, :, slots] = staged
 
