@@ -10,7 +10,9 @@ sharded (target) or whole (draft) for its whole life; nothing is switched at run
   -> check_draft (writes untouched, no collective); a draft attention whose mask the
   passes cannot prove causal is left as written, which is correct for a whole cache;
 - target, group of size 1: no rewrite at all, so the result is exactly what plain
-  ``torch.compile`` of the unmodified model gives (the off arm).
+  ``torch.compile`` of the unmodified model gives (the off arm); except a tree verify
+  (``ops.tree_mask``), which on any group stages its writes and runs the cascade with
+  the tree's mask, since the model's own mask cannot tell siblings from ancestors.
 
 Then Inductor (``compile_fx``: Triton on GPU, C++ on CPU), or ``aot_eager`` for fast
 CPU tests of the passes.
@@ -28,6 +30,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.ops.guard import strip_backend_guards
+from dcp_compile.ops.tree_mask import strip_tree_positions
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
@@ -131,6 +134,7 @@ class Backend:
                 f"one size to keep that to one graph)"
             )
         guards = strip_backend_guards(gm)
+        ancestors = strip_tree_positions(gm)
         plan = find(gm)
         if not plan.caches and (guards or not any(n.op.startswith("call") for n in gm.graph.nodes)):
             # Dynamo may compile a prepared model's forward pre-hook as a frame of its
@@ -153,23 +157,38 @@ class Backend:
         if self.role == "target" and self.group.size > 1:
             self._check_sharded_inputs(gm, plan, example_inputs)
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
-        if self.role == "draft":
-            proven = plan.sites and records and all(site.mask.proven for site in plan.sites)
-            passes = draft_passes(records[0].layout if proven else None)
-        elif self.group.size > 1:
-            passes = target_passes(
-                records[0].layout, self.group.group_name, self._staging_first_slot(plan, records), self.comm
-            )
-        elif self.cascade:
-            passes = target_passes(records[0].layout, None)
-        else:
-            passes = []
+        passes = self._passes(plan, records, ancestors)
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         gm, timings = run_passes(gm, plan, passes, dump_dir=self.dump_dir, tag=tag)
         self.compiled.append(CompiledGraph(gm, plan, timings))
         compiled = self._lower(gm, example_inputs)
         return self._guard_positions(compiled, plan, records)
+
+    def _passes(self, plan: Plan, records: list[CacheRecord], ancestors) -> list:
+        """The passes for this graph's role; ``ancestors``: its tree mask node, if any."""
+        if self.role == "draft":
+            proven = plan.sites and records and all(site.mask.proven for site in plan.sites)
+            if ancestors is not None and not proven:
+                raise GraphPatternError(
+                    "a tree draft step needs the draft's attention in the form the passes prove position-causal, "
+                    "so that its window can take the tree mask; this draft's is not (or it writes no KV cache)"
+                )
+            return draft_passes(records[0].layout if proven else None, ancestors)
+        staged = self.verify and records[0].sharded
+        if ancestors is not None and not staged:
+            raise ValueError(
+                "a tree verify graph needs dcp.backend(group, 'target', verify=True) and a target prepared with "
+                "dcp.prepare(..., verify_tokens=draft_tokens + 1, tree=True): its siblings share positions, so "
+                "their K/V must wait in staging slots for the commit of the accepted path"
+            )
+        if self.group.size > 1 or staged:
+            group_name = self.group.group_name if self.group.size > 1 else None
+            return target_passes(records[0].layout, group_name, self._staging_first_slot(plan, records), self.comm,
+                                 ancestors)
+        if self.cascade:
+            return target_passes(records[0].layout, None)
+        return []
 
     def _check_sharded_inputs(self, gm: GraphModule, plan: Plan, example_inputs: Sequence) -> None:
         """Sharded tensors may enter a target graph only where the passes rewrite their use."""

@@ -38,7 +38,9 @@ class CacheRecord:
 
     @property
     def sharded(self) -> bool:
-        return self.layout.size > 1
+        """Laid out as a shard (owner slots, the trash slot, staging): every target of a
+        group of more than one, and a tree target (``prepare(tree=True)``) of a group of one."""
+        return self.layout.size > 1 or self.verify_tokens > 0
 
 
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes.check import check_draft, check_target
@@ -30,31 +30,35 @@ class PassTiming:
 
 
 def target_passes(
-    layout: KVLayout, group_name: str | None, staging_first_slot: int | None = None, comm: str = "ag"
+    layout: KVLayout, group_name: str | None, staging_first_slot: int | None = None, comm: str = "ag",
+    ancestors: Node | None = None,
 ) -> list[Pass]:
     """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit.
-    ``comm``: how partials meet (``shard_attention.COMMS``).  A layout of size 1 is the
-    single-GPU cascade: the writes stay where they are (every position is this rank's)
-    and attention becomes prefix + window + merge with no collective."""
-    writes = [] if layout.size == 1 else [
+    ``comm``: how partials meet (``shard_attention.COMMS``).  ``ancestors``: the graph's
+    tree mask node (``ops.tree_mask``), for every window.  A layout of size 1 is the
+    single-GPU cascade: attention becomes prefix + window + merge with no collective,
+    and the writes stay where they are (every position is this rank's) unless they wait
+    in staging (a tree verify: its siblings share positions)."""
+    writes = [] if layout.size == 1 and staging_first_slot is None else [
         functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot)
     ]
     return writes + [
-        functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm),
+        functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm, ancestors=ancestors),
         functools.partial(check_target, comm=comm, size=layout.size),
     ]
 
 
-def draft_passes(layout: KVLayout | None = None) -> list[Pass]:
+def draft_passes(layout: KVLayout | None = None, ancestors: Node | None = None) -> list[Pass]:
     """``layout`` (the draft's whole-cache layout, size 1): lower each attention to the
     cascade with no collective, so the draft reads each sequence's own length of its
-    cache, not the cache's capacity; the writes stay as they are.  ``None``: no rewrite."""
+    cache, not the cache's capacity; the writes stay as they are.  ``None``: no rewrite.
+    ``ancestors``: a tree depth's mask node, for every window."""
     if layout is None:
         return [check_draft]
     if layout.size != 1:
         raise ValueError(f"a draft's cache is whole on every rank: expected a layout of size 1, got {layout.size}")
     return [
-        functools.partial(shard_attention, layout=layout, group_name=None),
+        functools.partial(shard_attention, layout=layout, group_name=None, ancestors=ancestors),
         functools.partial(check_target, size=1),
         check_draft,
     ]

@@ -133,15 +133,18 @@ def _prefix_attention(graph, site: AttentionSite, query, caches, positions, kv_l
     return graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale, *bound))
 
 
-def _window_attention(graph, site: AttentionSite, query, new_kv, positions, lower):
-    """Attention over the new tokens, causal by global position."""
+def _window_attention(graph, site: AttentionSite, query, new_kv, positions, lower, ancestors):
+    """Attention over the new tokens, causal by global position, or under the tree's
+    ancestor mask where the graph brings one."""
     if site.latent is not None:
         return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
     key_masks = site.mask.key_masks
     if not key_masks:
-        bound = () if lower is None else (lower,)
-        return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale, *bound))
+        options = {name: value for name, value in (("lower", lower), ("ancestors", ancestors)) if value is not None}
+        return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale), options)
     allowed = graph.call_function(window_allowed, (positions, *key_masks), dict(lower=lower))
+    if ancestors is not None:
+        allowed = graph.call_function(torch.logical_and, (allowed, ancestors))
     return graph.call_function(attention_with_lse, (query, new_kv[0], new_kv[1], allowed, site.scale))
 
 
@@ -177,7 +180,8 @@ def _exchange_and_merge(graph, packed, window_attention, layout: KVLayout, group
     return out, window, [send, exchanged, merged, gathered]
 
 
-def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str) -> None:
+def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str,
+                  ancestors) -> None:
     """Replace one site by the cascade: operands, prefix, collective with the window, merge."""
     graph = gm.graph
     k_write, latent = site.k_write, site.latent
@@ -200,8 +204,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
         out, window, comm_nodes = _exchange_and_merge(
-            graph, packed, lambda: _window_attention(graph, site, query, new_kv, positions, lower), layout, group_name,
-            comm, out_dtype)
+            graph, packed, lambda: _window_attention(graph, site, query, new_kv, positions, lower, ancestors), layout,
+            group_name, comm, out_dtype)
         if latent is not None:
             out = graph.call_function(torch.permute, (out, latent.out_perm))
     for node in (positions, *new_kv, *caches, kv_len, prefix, packed, window, out, *comm_nodes):
@@ -226,14 +230,20 @@ def _lower_bound(graph, site: AttentionSite, positions, sharding: dict):
 
 
 def shard_attention(
-    gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag"
+    gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag", ancestors=None
 ) -> GraphModule:
-    """``layout.size == 1`` (``group_name`` None): the cascade without a collective."""
+    """``layout.size == 1`` (``group_name`` None): the cascade without a collective.
+    ``ancestors``: the graph's tree mask (``ops.tree_mask``), which every window takes
+    in place of the causal order of positions."""
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     for site in plan.sites:
         if not site.mask.proven:
             raise GraphPatternError(site.mask.failure)
+        if ancestors is not None and site.latent is not None:
+            raise GraphPatternError(
+                f"the latent attention at {where(site.node)} is asked to verify a tree, but MLA's window takes no "
+                f"tree mask yet; draft chains (topk=1) for MLA targets")
         heads = fake_value(site.query).shape[site.latent.query_perm[1] if site.latent else 1]
         if comm == "a2a" and layout.size > 1 and heads % layout.size:
             raise ValueError(
@@ -241,6 +251,6 @@ def shard_attention(
                 f"ranks, which needs heads divisible by the DCP size; use comm='ag' for this model"
             )
     for site in plan.sites:
-        _rewrite_site(gm, site, layout, group_name, comm)
+        _rewrite_site(gm, site, layout, group_name, comm, ancestors)
     gm.recompile()
     return gm

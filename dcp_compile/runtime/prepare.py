@@ -224,7 +224,7 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
     """Swap each cache for this rank's buffer (its shard plus ``verify_tokens`` staging
     slots, or a whole buffer where a meta one stood) and record it; returns
     ``(module, attr, record)`` per cache and the bytes this rank now holds."""
-    max_seq_len, sharded = layout.max_seq_len, layout.size > 1
+    max_seq_len, sharded = layout.max_seq_len, layout.size > 1 or verify_tokens > 0  # a tree target of one rank too
     placed, pending, kv_bytes = [], [], 0
     for cache in plan.caches:
         tensor = inputs[cache.input_index]
@@ -292,9 +292,10 @@ def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str
     return mask_names
 
 
-def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens) -> bool:
+def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens, tree) -> bool:
     """Refuse ``prepare``'s arguments before any rank exchanges anything or the model is
-    touched; returns whether the role's caches are sharded over the group."""
+    touched; returns whether the role's caches are laid out as shards (over the group, or
+    as one rank's shard for a tree target)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("interleave", interleave)):
@@ -302,7 +303,12 @@ def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interle
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not isinstance(verify_tokens, int) or verify_tokens < 0:
         raise ValueError(f"verify_tokens must be a non-negative int, got {verify_tokens!r}")
-    sharded = role == "target" and group.size > 1
+    if tree and (role != "target" or verify_tokens < 2):
+        raise ValueError(
+            f"tree=True lays out a target's caches for tree verify graphs and needs verify_tokens >= 2 (the root "
+            f"and at least one node); got role={role!r}, verify_tokens={verify_tokens}. A draft's cache stays whole"
+        )
+    sharded = role == "target" and (group.size > 1 or tree)
     if sharded and group.size * interleave > max_seq_len:
         raise ValueError(
             f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
@@ -338,6 +344,7 @@ def prepare(
     example_inputs: tuple | None = None,
     interleave: int = 1,
     verify_tokens: int = 0,
+    tree: bool = False,
 ) -> Prepared:
     """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
 
@@ -353,15 +360,23 @@ def prepare(
         verify_tokens: most new tokens per sequence a verify graph will bring (``k + 1``
             for a chain of ``k`` drafts); a sharded target's caches get that many staging
             slots after the trash slot. 0: no verify graphs.
+        tree: the verify graphs verify draft trees, whose siblings share positions, so
+            even on a group of one their new tokens wait in staging slots for a commit:
+            the caches are laid out as one rank's shard (owner slots, the trash slot,
+            ``verify_tokens`` staging slots) whatever the group's size.
     """
-    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens)
-    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens), role)
+    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree)
+    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree), role)
 
     home = _home_device(model)
     defaulted = example_inputs is None
     forward_args = tuple(default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
     gm, inputs, owners = discover(model, forward_args, defaulted, max_batch)
     plan = _find_caches(model, gm, sharded)
+    if tree and any(site.latent is not None for site in plan.sites):
+        raise GraphPatternError(
+            f"{type(model).__name__} attends through MLA's latent cache, whose window takes no tree mask yet: "
+            f"draft a chain (topk=1, draft_tokens=k) for this target")
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
                                      home, group.rank)

@@ -44,7 +44,10 @@ from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks, tokens_prefilled
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
+from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import Noise, accept_chain, probs_at, row_temperatures, sample_from
+from dcp_compile.runtime.tree import TreeShape
+from dcp_compile.runtime.tree_step import TreeStep
 
 
 class SpecTarget(Protocol):
@@ -75,9 +78,11 @@ class SpecGraphs:
     shape.  Its arguments must have been checked: ``prepare`` changes the models for good."""
 
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
-                 comm: str, cuda_graphs: bool):
+                 comm: str, cuda_graphs: bool, tree: TreeShape | None = None):
         device = group.device
-        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=k + 1)
+        verify_tokens = k + 1 if tree is None else tree.verify_tokens
+        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=verify_tokens,
+                tree=tree is not None)
         if draft is not None:
             draft_example = (
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
@@ -93,13 +98,19 @@ class SpecGraphs:
                                            check_positions=checked)
         self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
         self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
-        self.draft_backend = self.draft_forward = None
+        self.draft_backend = self.draft_forward = self.draft_tree = None
         if draft is not None:
             self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
             self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
+        if tree is not None:
+            # The tree's verify and draft depths take its ancestor mask beside the positions.
+            self.target_verify = torch.compile(TreeCall(target), backend=self.verify_backend, fullgraph=True,
+                                               dynamic=False)
+            self.draft_tree = [torch.compile(TreeCall(draft), backend=self.draft_backend, fullgraph=True, dynamic=False)
+                               for _ in range(tree.k - 1)]  # one per depth after the first
         self.commit = KVCommit(target)
-        # A group of size 1 verifies in place: there is nothing to commit, and a captured
-        # commit would be an empty CUDA graph replayed (with its input copies) every step.
+        # A group of size 1 verifies a chain in place: there is nothing to commit, and a
+        # captured commit would be an empty CUDA graph replayed (with its input copies) every step.
         self.commit_c = (torch.compile(self.commit, backend=lowering, fullgraph=True, dynamic=False)
                          if self.commit.needed else None)
         # The per-step calls (verify, commit, draft extend and chain step) have fixed
@@ -113,9 +124,12 @@ class SpecGraphs:
             self.target_verify = GraphRunner(self.target_verify, pool=pool)
             if self.draft_forward is not None:
                 self.draft_step = GraphRunner(self.draft_forward, pool=pool)
+            if self.draft_tree is not None:
+                self.draft_tree = [GraphRunner(depth, pool=pool) for depth in self.draft_tree]
             if self.commit_c is not None:
                 self.commit_c = GraphRunner(self.commit_c, pool=pool)
-            self.graph_runners = [r for r in (self.target_verify, self.commit_c, self.draft_step) if r is not None]
+            self.graph_runners = [r for r in (self.target_verify, self.commit_c, self.draft_step, *(self.draft_tree or ()))
+                                  if r is not None]
 
 
 @dataclass
@@ -144,7 +158,7 @@ class DeviceStep:
 
     def __init__(self, graphs: SpecGraphs, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int,
                  chunk_size: int, check_ranks: bool, target_vocab: int, draft: SpecDraft | None,
-                 target_features: bool):
+                 target_features: bool, tree: TreeShape | None = None):
         self.graphs, self.group, self.k = graphs, group, k
         self.target_features = target_features
         """Whether the target returns ``(logits, features)`` rather than the logits alone."""
@@ -155,6 +169,8 @@ class DeviceStep:
         self.rows = torch.arange(max_batch, device=self.device)
         self.steps = torch.arange(k + 1, device=self.device)
         self.verify_steps = 0
+        self.tree = None if tree is None else TreeStep(graphs, tree, draft=draft, max_batch=max_batch,
+                                                       device=self.device)
 
     def check_ranks_agree(self, step: int, logits: torch.Tensor, *decisions: torch.Tensor) -> None:
         checksum = torch.cat([logits.double().sum(-1).flatten(), *(d.double().flatten() for d in decisions)])
@@ -260,6 +276,9 @@ class DeviceStep:
         self.verify_steps += 1
         if self.draft is None:
             return self._plain_step(state, noise)
+        if self.tree is not None:
+            check = (lambda *a: self.check_ranks_agree(self.verify_steps, *a)) if self.check_ranks else None
+            return self.tree.run(state, noise, check)
         q_logits, hidden = state.q_logits, state.hidden
         drafts, draft_probs = [], []
         for j in range(k):
@@ -309,9 +328,17 @@ class DeviceStep:
 
 
 class SpecDecoder:
-    """EAGLE / EAGLE3 chain speculative decoding over a DCP group.  Decode with
-    ``generate_all(decoder, prompts, max_new_tokens)``, or serve with
+    """EAGLE / EAGLE3 speculative decoding over a DCP group, with chain or tree drafts.
+    Decode with ``generate_all(decoder, prompts, max_new_tokens)``, or serve with
     ``SpecEngine(decoder)`` (both in ``runtime.engine``).
+
+    ``k``: the draft depth (draft forwards per step; a step emits 1 to ``k + 1`` tokens).
+    ``topk`` and ``draft_tokens``: an EAGLE-2 dynamic tree (``runtime.tree_step``): every
+    depth expands the best ``topk`` frontier nodes by their ``topk`` likeliest tokens, and
+    the target verifies the best ``draft_tokens`` nodes by cumulative draft log-prob
+    (at most ``topk + (k - 1) * topk**2``).  ``topk=1, draft_tokens=k`` (the default)
+    is the chain.  ``tree``: ``None`` picks the tree path for a tree shape; ``True``
+    runs a chain shape through the tree's graphs too (to compare the two paths).
 
     ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
     ``draft``: a ``SpecDraft`` built for it (``EagleDraft``), or ``None`` with ``k=0``: DCP
@@ -340,6 +367,8 @@ class SpecDecoder:
         max_batch: int,
         max_seq_len: int,
         topk: int = 1,
+        draft_tokens: int | None = None,
+        tree: bool | None = None,
         temperature: float = 0.0,
         seed: int = 0,
         lowering: str = "inductor",
@@ -350,16 +379,7 @@ class SpecDecoder:
     ):
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
-        if draft is None:
-            if k != 0:
-                raise ValueError(f"k={k!r} draft tokens per step need a draft; without one (draft=None) pass k=0")
-        elif not isinstance(k, int) or k < 1:
-            raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
-        if topk != 1:
-            raise ValueError(
-                f"topk={topk} asks for tree drafts, which are not supported yet: only chain drafts (topk=1) "
-                f"are implemented. Use topk=1"
-            )
+        shape = self._tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if draft is not None:
@@ -370,11 +390,13 @@ class SpecDecoder:
         # changes the models for good.
         self.target, self.draft, self.group = target, draft, group
         self.k, self.temperature, self.seed = k, temperature, seed
+        self.tree_shape = shape
+        """The draft tree's static shape; ``None`` for a chain (or no draft)."""
         self.chunk_size = chunk_size
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
-                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs)
+                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape)
         self.graphs = graphs
         self.target_backend, self.verify_backend, self.draft_backend = (
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
@@ -382,7 +404,30 @@ class SpecDecoder:
         self.device_step = DeviceStep(graphs, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                                       chunk_size=chunk_size, check_ranks=check_ranks,
                                       target_vocab=target.vocab_size, draft=draft,
-                                      target_features=target.feature_width > 0)
+                                      target_features=target.feature_width > 0, tree=shape)
+
+    @staticmethod
+    def _tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len) -> TreeShape | None:
+        """The draft tree's shape, or ``None`` for a chain; refuses a bad one by name."""
+        if draft is None:
+            if k != 0 or topk != 1 or draft_tokens not in (None, 0) or tree:
+                raise ValueError(f"k={k!r}, topk={topk!r}, draft_tokens={draft_tokens!r} and tree={tree!r} ask for "
+                                 f"draft tokens, which need a draft; without one (draft=None) pass k=0 alone")
+            return None
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k (the draft depth: draft tokens per step for a chain) must be an int >= 1, got {k!r}")
+        shape = TreeShape(k, topk, k if draft_tokens is None else draft_tokens)  # refuses a shape no tree has
+        chain = topk == 1 and shape.draft_tokens == k
+        if tree is False and not chain:
+            raise ValueError(f"tree=False asks for a chain, but topk={topk} and draft_tokens={shape.draft_tokens} "
+                             f"describe a tree; a chain is topk=1, draft_tokens=k={k}")
+        if chain and not tree:
+            return None
+        if shape.verify_tokens > max_seq_len:
+            raise ValueError(
+                f"a tree of draft_tokens={shape.draft_tokens} verifies {shape.verify_tokens} new tokens per step, more "
+                f"than a cache of max_seq_len={max_seq_len} holds: lower draft_tokens or raise max_seq_len")
+        return shape
 
     @staticmethod
     def _check_pair(target, draft) -> None:

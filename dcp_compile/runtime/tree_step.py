@@ -1,0 +1,111 @@
+"""One speculative step with an EAGLE-2 dynamic draft tree, for every row at once.
+
+1. Draft the tree (``draft``): depth 1 is the ``topk`` best tokens of the draft's
+   logits after the last accepted token; every later depth runs the draft once over the
+   ``topk`` frontier nodes and keeps the best ``topk`` of their ``topk**2`` children
+   (``tree.expand``).  The tree is the best ``draft_tokens`` nodes of all depths
+   (``tree.select``).
+2. Verify the root (the last emitted token) and the nodes with the target in one
+   graph, each node attending to the cached prefix, its ancestors and itself
+   (``ops.tree_mask``: the ancestor mask reaches the window attentions the passes
+   insert); the new K/V wait in staging slots, on a group of one too (siblings share a
+   position).
+3. Accept (``tree.accept_greedy``, or ``tree.accept_sampled`` where a row samples), move
+   the accepted path's K/V from its staging slots to their owners (``KVCommit`` with a
+   path), and draft-extend over the path, as the chain does.
+
+How a depth attends.  The draft's cache holds the committed positions (below the root's
+position ``L``); a depth-``d`` frontier node must also see its ``d - 1`` ancestors,
+which sit at positions ``L..L+d-2`` beside their cousins.  So the depth-``d`` draft
+call carries each frontier node's whole path from depth 1, ``topk * d`` tokens, with a
+block-causal mask (each path sees only itself): the ancestors' keys are recomputed in
+the call's window rather than read from the cache, whose slots from ``L`` on the call
+overwrites and the next draft-extend overwrites again before anything reads them.  A
+depth reads the cache once, as a chain step does; it computes ``d`` times the tokens.
+
+Static shapes per ``TreeShape``: one verify graph, one draft graph per depth after the
+first, the chain's extend and commit; every mask is built on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dcp_compile.runtime.sampling import Noise
+from dcp_compile.runtime.tree import Tree, TreeShape, accept_greedy, accept_sampled, commit_slots, emitted, expand, select
+
+
+def path_masks(topk: int, depth: int, batch: int, device) -> torch.Tensor:
+    """``[B, topk * depth, topk * depth]`` bool: ``topk`` paths of ``depth`` tokens side by
+    side, each token seeing the earlier tokens of its own path and itself."""
+    index = torch.arange(topk * depth, device=device)
+    path, step = index // depth, index % depth
+    mask = (path[:, None] == path[None, :]) & (step[None, :] <= step[:, None])
+    return mask.expand(batch, -1, -1).contiguous()
+
+
+class TreeStep:
+    """Drafts, verifies, accepts and commits a tree; ``DeviceStep.step`` calls ``run``.
+    ``graphs``: a ``SpecGraphs`` built with this shape (``tree_verify``, ``draft_tree``)."""
+
+    def __init__(self, graphs, shape: TreeShape, *, draft, max_batch: int, device):
+        self.graphs, self.shape, self.draft = graphs, shape, draft
+        k, topk = shape.k, shape.topk
+        self.steps = torch.arange(k + 1, device=device)
+        self.rows = torch.arange(max_batch, device=device)
+        # Per depth d (index d): the paths' positions past the root, mask, and last tokens.
+        self.path_steps = [None] + [torch.arange(d, device=device).repeat(topk) for d in range(1, k)]
+        self.masks = [None] + [path_masks(topk, d, max_batch, device) for d in range(1, k)]
+        self.path_ends = [None] + [(torch.arange(topk, device=device) * d + d - 1).expand(max_batch, topk)
+                                   for d in range(1, k)]
+
+    def draft_tree(self, length: torch.Tensor, q_logits: torch.Tensor, hidden: torch.Tensor) -> Tree:
+        """The tree for rows whose root sits at ``length [B]``, from the draft's logits
+        ``q_logits [B, V_draft]`` after the root and the hidden state ``hidden [B, 1, H]``
+        they came with; its tokens are target ids."""
+        shape, topk, to_target = self.shape, self.shape.topk, self.draft.to_target_ids
+        B, H = hidden.shape[0], hidden.shape[-1]
+        level = expand(torch.zeros(B, 1, device=q_logits.device), torch.log_softmax(q_logits.float(), -1)[:, None], topk)
+        levels = [level]
+        path_tokens = to_target(level.tokens.gather(1, level.frontier))[:, :, None]  # [B, topk, 1]
+        path_features = hidden.expand(B, topk, H)[:, :, None]  # [B, topk, 1, H]
+        for d in range(1, shape.k):
+            positions = length[:, None] + self.path_steps[d]
+            logits, out = self.graphs.draft_tree[d - 1](path_tokens.reshape(B, topk * d), positions, self.masks[d],
+                                                 path_features.reshape(B, topk * d, H), self.path_ends[d])
+            scores = level.scores.gather(1, level.frontier)
+            level = expand(scores, torch.log_softmax(logits.float(), -1), topk)
+            levels.append(level)
+            parent = level.parents.gather(1, level.frontier)  # [B, topk]: which path each new frontier node extends
+            tokens = to_target(level.tokens.gather(1, level.frontier))
+            path_tokens = torch.cat([path_tokens.gather(1, parent[..., None].expand(B, topk, d)), tokens[..., None]], 2)
+            path_features = torch.cat([
+                path_features.gather(1, parent[..., None, None].expand(B, topk, d, H)),
+                out.gather(1, parent[..., None].expand(B, topk, H))[:, :, None],
+            ], dim=2)
+        tree = select(shape, levels)
+        return replace(tree, tokens=to_target(tree.tokens))
+
+    def run(self, state, noise: Noise, check=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(new_tokens [B, k+1], accepted [B], bonus [B])`` as ``DeviceStep.step``
+        returns them; ``check(logits, *decisions)``: the rank check, if any."""
+        g = self.graphs
+        tree = self.draft_tree(state.length, state.q_logits, state.hidden)
+        tokens = torch.cat([state.current[:, None], tree.tokens], dim=1)
+        logits, features = g.target_verify(tokens, tree.positions(state.length), tree.ancestors)
+        accepted = (accept_sampled(tree, logits, state.temperature, noise) if state.sampling
+                    else accept_greedy(tree, logits))
+        count = torch.where(state.active, accepted.count, 0)
+        if check is not None:
+            check(logits, tree.tokens, count, accepted.bonus)
+        new_tokens = emitted(tree, accepted)
+        slots, _ = commit_slots(accepted)
+        g.commit_c(state.length, torch.where(state.active, count + 1, 0), slots)
+        # Draft-extend over the accepted path: (feature_p, token_{p+1}) for p = L..L+count.
+        path_features = features.gather(1, slots[..., None].expand(-1, -1, features.shape[-1]))
+        positions = state.length[:, None] + self.steps
+        extend_logits, extend_hidden = g.draft_step(new_tokens, positions, path_features, count[:, None])
+        state.q_logits, state.hidden = extend_logits[:, 0], extend_hidden
+        return new_tokens, count, accepted.bonus
