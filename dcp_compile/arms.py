@@ -68,9 +68,21 @@ def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _draft_tokens(args) -> int:
-    """Draft tokens per step: ``--k``, or 0 for a model served without a draft."""
-    return args.k if args.spec.speculative else 0
+def _shape(args) -> dict:
+    """The draft's shape, for ``SpecDecoder`` and the summaries: ``--k``, ``--topk`` and
+    ``--draft-tokens`` (``topk=1, draft_tokens=k`` is the chain), or no draft tokens for a
+    model served without a draft."""
+    if not args.spec.speculative:
+        return {"k": 0, "topk": 1, "draft_tokens": 0}
+    return {"k": args.k, "topk": args.topk, "draft_tokens": args.draft_tokens}
+
+
+def _describe_shape(shape: dict) -> str:
+    if not shape["k"]:
+        return "no speculation"
+    if (shape["topk"], shape["draft_tokens"]) == (1, shape["k"]):
+        return f"chain k={shape['k']}"
+    return f"tree k={shape['k']} topk={shape['topk']} draft_tokens={shape['draft_tokens']}"
 
 
 def _decoder(args, group, *, max_batch: int, max_seq_len: int):
@@ -80,7 +92,7 @@ def _decoder(args, group, *, max_batch: int, max_seq_len: int):
 
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
                                  dtype=_dtype(args, group.device))
-    return dcp.SpecDecoder(target, draft, group, k=_draft_tokens(args), max_batch=max_batch, max_seq_len=max_seq_len,
+    return dcp.SpecDecoder(target, draft, group, **_shape(args), max_batch=max_batch, max_seq_len=max_seq_len,
                            temperature=args.temperature, seed=args.seed, lowering=args.lowering,
                            chunk_size=min(args.chunk_size, max_seq_len))
 
@@ -100,7 +112,8 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     from dcp_compile.runtime.engine import generate_all
 
     device = group.device
-    k = _draft_tokens(args)
+    k = _shape(args)["k"]
+    # positions reach the draft depth k only: a tree's extra nodes sit in staging slots
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + k + 1
     decoder = _decoder(args, group, max_batch=len(prompts), max_seq_len=max_seq_len)
     stops = args.codec.eos_ids
@@ -138,11 +151,11 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     args.codec = codec = loading.codec(args.spec)
     texts = args.prompt or DEMO_PROMPTS
     prompts = [codec.encode(p) for p in texts]
-    k = _draft_tokens(args)
+    shape = _shape(args)
+    k = shape["k"]
     if talk:
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-        chain = f"chain k={k}" if k else "no speculation"
-        print(f"dcp-compile demo: {_describe(args.spec)}, {chain}, {sampling}, "
+        print(f"dcp-compile demo: {_describe(args.spec)}, {_describe_shape(shape)}, {sampling}, "
               f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, lowering {args.lowering}\n"
               f"DCP arm: group of {group.size} ({group.backend or 'single process'}, {device.type}); "
               f"off arm: plain torch.compile on one rank", flush=True)
@@ -169,7 +182,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
             print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
         for label, arm in ((f"DCP arm (size {group.size})", dcp_arm), ("off arm (size 1)", off_arm)):
-            accept = f"mean accept length {arm['accept_len']:.2f} at k={k}" if k else "one token per step"
+            accept = (f"mean accept length {arm['accept_len']:.2f}, {_describe_shape(shape)}" if k
+                      else "one token per step")
             print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
                   f"{accept} (compile {arm['compile_s']:.1f}s)")
         print(f"{'parity':>18}: tokens identical = {tokens_identical}, accept counts identical = {accepts_identical}")
@@ -177,7 +191,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         if device.type == "cpu":
             print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
     return dict(
-        dcp_size=group.size, k=k, temperature=args.temperature, model=args.model, draft=args.draft,
+        dcp_size=group.size, **shape, temperature=args.temperature, model=args.model, draft=args.draft,
         tokens_identical=tokens_identical, accept_counts_identical=accepts_identical,
         accept_len=dict(dcp=dcp_arm["accept_len"], off=off_arm["accept_len"]),
         tokens_per_s=dict(dcp=dcp_arm["tokens_per_s"], off=off_arm["tokens_per_s"]),
@@ -209,7 +223,7 @@ def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]
 
     from dcp_compile.runtime.engine import generate_all
 
-    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + _draft_tokens(args) + 1
+    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + _shape(args)["k"] + 1
     batch = min(args.batch, len(prompts))
     decoder = _decoder(args, group, max_batch=batch, max_seq_len=max_seq_len)
     tokens, accepted = [], []
@@ -233,15 +247,15 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     if group.rank != 0:
         return None
     off_tokens, off_accepted = _gate_arm(dcp.DCPGroup(1, 0, device, None), args, prompts, talk, "off arm")
-    k = _draft_tokens(args)
-    verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=k,
+    shape = _shape(args)
+    verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=shape["k"],
                             dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        print(f"DCP size {group.size} against the off arm, {_describe(args.spec)}, k={k}, temperature "
-              f"{args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
+        print(f"DCP size {group.size} against the off arm, {_describe(args.spec)}, {_describe_shape(shape)}, "
+              f"temperature {args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
         print(f"accept-count histogram, DCP: {verdict.histogram_dcp}; off: {verdict.histogram_off}")
         print(verdict.describe())
-    return dict(verdict.as_dict(), dcp_size=group.size, k=k, temperature=args.temperature, model=args.model,
+    return dict(verdict.as_dict(), dcp_size=group.size, **shape, temperature=args.temperature, model=args.model,
                 draft=args.draft, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
 
 

@@ -24,6 +24,49 @@ MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, or a
               "(read from disk, never the hub)")
 DRAFT_HELP = ("an EAGLE3 or EAGLE-1 draft checkpoint directory in the published layouts, for a Hugging Face --model; "
               "without one, that model decodes one token per step")
+K_HELP = "the draft depth: draft forwards per verify step, and the most draft tokens a step accepts (default {})"
+TOPK_HELP = ("EAGLE-2 dynamic tree: children per expanded node, and frontier nodes expanded at every depth after the "
+             "first (default 1; --topk 1 with --draft-tokens equal to --k is the chain)")
+DRAFT_TOKENS_HELP = ("EAGLE-2 dynamic tree: the nodes the target verifies per step, the best by cumulative draft "
+                     "log-prob, from --k up to topk + (k - 1) * topk**2 (default: --k, the chain)")
+
+
+def _add_tree_arguments(parser: argparse.ArgumentParser, k_default: int) -> None:
+    """``--k``, ``--topk`` and ``--draft-tokens``: the draft's shape (``_check_tree`` fills
+    in the defaults of the last two)."""
+    parser.add_argument("--k", type=int, default=k_default, help=K_HELP.format(k_default))
+    parser.add_argument("--topk", type=int, help=TOPK_HELP)
+    parser.add_argument("--draft-tokens", type=int, help=DRAFT_TOKENS_HELP)
+
+
+def _check_tree(parser: argparse.ArgumentParser, args: argparse.Namespace, drafted: bool) -> None:
+    """``--topk`` and ``--draft-tokens`` against ``--k``, refused as usage errors (exit 2)
+    before anything is built; unset, they are the chain's (1 and ``--k``).  ``drafted``:
+    the model has a draft (``--k 0`` asks for none)."""
+    given = " and ".join(flag for flag, value in (("--topk", args.topk), ("--draft-tokens", args.draft_tokens))
+                         if value is not None)
+    if given and args.k == 0:
+        parser.error(f"{given} given with --k 0: a draft tree needs a draft, and --k 0 asks for none; give --k >= 1 "
+                     f"or drop {given}")
+    if given and not drafted:
+        parser.error(f"{given} given, but --model {args.model!r} has no draft (one token per step) and a draft tree "
+                     f"needs one: pass --draft DIR or drop {given}")
+    args.topk = 1 if args.topk is None else args.topk
+    args.draft_tokens = args.k if args.draft_tokens is None else args.draft_tokens
+    if not drafted or args.k == 0:
+        return
+    from dcp_compile.runtime.tree import TreeShape
+
+    try:
+        TreeShape(args.k, args.topk, args.draft_tokens)
+    except ValueError as err:
+        parser.error(f"--k {args.k} --topk {args.topk} --draft-tokens {args.draft_tokens}: "
+                     f"{str(err).removeprefix('TreeShape: ')}")
+
+
+def _is_tree(args: argparse.Namespace) -> bool:
+    """Whether the checked shape is a tree (verified with a tree's staging slots) rather than the chain."""
+    return args.k > 0 and (args.topk, args.draft_tokens) != (1, args.k)
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -60,8 +103,8 @@ def eval_command(args: argparse.Namespace) -> int:
     from dcp_compile import training
 
     result = training.measure_acceptance(
-        args.spec, device=args.device, k=args.k, n_prompts=args.prompts, new_tokens=args.max_new_tokens,
-        lowering=args.lowering,
+        args.spec, device=args.device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens,
+        n_prompts=args.prompts, new_tokens=args.max_new_tokens, lowering=args.lowering,
     )
     print(json.dumps(result))
     return 0
@@ -87,6 +130,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     contexts = _int_list(parser, "--contexts", args.contexts)
     if args.k < 0:
         parser.error(f"--k must be >= 0, got {args.k}")
+    _check_tree(parser, args, drafted=True)
     if args.gpu_gib is not None:
         if args.gpu_gib <= 0:
             parser.error(f"--gpu-gib must be > 0, got {args.gpu_gib}")
@@ -95,7 +139,7 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget = memory.device_budget("cuda:0")
     else:
         parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
-    from dcp_compile.models.mla import deepseek_v2_lite_shape, deepseek_v3_attention_shape, draft_config
+    from dcp_compile.models.mla import MLAConfig, deepseek_v2_lite_shape, deepseek_v3_attention_shape, draft_config
 
     mla_shapes = {"deepseek-v2-lite": deepseek_v2_lite_shape, "deepseek-v3": deepseek_v3_attention_shape}
     if args.model == "llama3-8b":
@@ -110,13 +154,18 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     else:
         cfg, draft = _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
         draft = draft if args.k else None
+    tree = _is_tree(args)
+    if tree and isinstance(cfg, MLAConfig):
+        parser.error(f"--model {args.model!r} attends through MLA's latent cache, which takes no tree mask yet: "
+                     f"plan it as a chain (drop --topk and --draft-tokens)")
+    # a verify step brings the last accepted token and the draft's tokens (a chain's k, a tree's nodes)
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
-                                   verify_tokens=args.k + 1 if args.k else 0)
+                                   verify_tokens=args.draft_tokens + 1 if args.k else 0, tree=tree)
     longest, widest = memory.capacity_tables(planner, sizes, batches, contexts)
     base = planner.plan(sizes[0], 1, 1)
     print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU, budget "
           f"{budget / memory.GiB:.1f} GiB (of which {memory.BASE_RESERVE_BYTES / memory.GiB:.0f} GiB plus the step's "
-          f"logits are kept for activations), {args.dtype}, " + (f"EAGLE3 draft, k={args.k}" if draft else "no draft"))
+          f"logits are kept for activations), {args.dtype}, " + _describe_draft(args, draft))
     header = " | ".join(f"DCP={n}" for n in sizes)
     print(f"\nlongest context per sequence (tokens)\n| batch | {header} |\n|---|" + "---|" * len(sizes))
     for batch, row in longest.items():
@@ -125,6 +174,14 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     for context, row in widest.items():
         print(f"| {context:,} | " + " | ".join(f"{row[n]:,}" for n in sizes) + " |")
     return 0
+
+
+def _describe_draft(args: argparse.Namespace, draft) -> str:
+    if draft is None:
+        return "no draft"
+    if _is_tree(args):
+        return f"EAGLE3 draft, tree k={args.k} topk={args.topk} draft_tokens={args.draft_tokens}"
+    return f"EAGLE3 draft, k={args.k}"
 
 
 def _check_model(parser: argparse.ArgumentParser, name: str, others: str = ""):
@@ -158,7 +215,7 @@ def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="speculative decoding with a DCP-sharded target, checked against the size-1 arm")
     d.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    d.add_argument("--k", type=int, default=4, help="draft tokens per verify step (default 4)")
+    _add_tree_arguments(d, 4)
     d.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (rejection sampling)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed, shared by every rank")
     d.add_argument("--max-new-tokens", type=int, default=160)
@@ -185,7 +242,7 @@ def _add_gate(sub) -> None:
     g.add_argument("--prompt-bytes", type=int, default=128)
     g.add_argument("--batch", type=int, default=16, help="prompts per decoder batch")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--k", type=int, default=4)
+    _add_tree_arguments(g, 4)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
@@ -208,7 +265,7 @@ def _add_train_eval_export(sub) -> None:
     e.add_argument("--model", default="tiny-code", help=MODEL_HELP)
     e.add_argument("--draft", help=DRAFT_HELP)
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    e.add_argument("--k", type=int, default=4)
+    _add_tree_arguments(e, 4)
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
@@ -226,7 +283,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--dcp", default="1,2,4,8", help="DCP sizes (comma-separated)")
     p.add_argument("--batches", default="1,8,16,64")
     p.add_argument("--contexts", default="8192,32768,131072,524288")
-    p.add_argument("--k", type=int, default=3, help="EAGLE3 chain length (verify staging and draft); 0: no draft")
+    p.add_argument("--k", type=int, default=3, help="EAGLE3 draft depth (verify staging and draft); 0: no draft")
+    p.add_argument("--topk", type=int, help=TOPK_HELP)
+    p.add_argument("--draft-tokens", type=int, help=DRAFT_TOKENS_HELP + "; a tree target carries draft_tokens + 1 "
+                   "staging slots and the trash slot, on a group of one too")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
 
 
@@ -241,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_eval_export(sub)
     s = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat completions, models; streaming)")
     serving.add_arguments(s)
+    _add_tree_arguments(s, 4)
     _add_plan(sub)
     return parser
 
@@ -283,18 +344,24 @@ def main(argv: list[str] | None = None) -> int:
         from dcp_compile import serve as serving
 
         serving.check_arguments(parser, args)
+        _check_tree(parser, args, args.spec.speculative)
         return serving.serve(args)
     if args.command == "train":
         return train_command(args)
     if args.command == "eval":
         if not args.spec.speculative:
             parser.error(f"eval measures a draft's accept length: --model {args.model!r} needs --draft DIR")
+        if args.k < 1:
+            parser.error(f"eval measures a draft's accept length at a depth --k >= 1, got --k {args.k}")
+        _check_tree(parser, args, drafted=True)
         return eval_command(args)
     if args.command == "gate":
         _check_gate(parser, args)
+        _check_tree(parser, args, args.spec.speculative)
         return gate_command(args)
     if args.command == "demo":
         _check_demo(parser, args)
+        _check_tree(parser, args, args.spec.speculative)
         return demo(args)
     return 2
 

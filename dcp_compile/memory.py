@@ -7,13 +7,18 @@ Per rank the plan counts
 
 - the target weights (every rank holds all of them);
 - the target KV cache: ``layers * 2 * H_kv * D * bytes * B * slots``, where ``slots`` is
-  ``S`` for a group of one and ``S_loc + 1 + verify_tokens`` when sharded (``S_loc`` local
-  positions, the trash slot, the verify staging slots);
+  ``S_loc + 1 + verify_tokens`` when sharded (``S_loc`` local positions, the trash slot,
+  the verify staging slots: ``k + 1`` for a chain of ``k``, ``draft_tokens + 1`` for a
+  tree) and ``S`` for a chain on a group of one, which verifies in place; a tree target
+  on a group of one is laid out as a shard too (``S + 1 + draft_tokens + 1``), since its
+  siblings share positions;
 - the draft: its weights (the embedding is shared with the target) and its whole KV cache;
 - a reserve for one step's activations: 2 GiB plus three fp32 copies of the step's logits
   (``B * step_tokens * vocab``).  A prefill of ``P`` tokens needs ``step_tokens=P``.
 
     planner = dcp.MemoryPlanner(cfg, dcp.device_budget("cuda"), draft=draft_cfg, verify_tokens=k + 1)
+    # an EAGLE-2 tree of draft_tokens nodes:
+    # dcp.MemoryPlanner(..., verify_tokens=draft_tokens + 1, tree=True)
     planner.check(dcp_size=2, max_batch=8, max_seq_len=131072)   # CapacityError saying what fits
     planner.longest_context(dcp_size=2, max_batch=8)             # tokens per sequence that fit
 """
@@ -36,9 +41,10 @@ class CapacityError(ValueError):
     """The requested batch x context does not fit the device at this DCP size."""
 
 
-def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens: int = 0) -> int:
-    """Slots per sequence and layer that one rank's target cache holds."""
-    if dcp_size == 1:
+def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens: int = 0, tree: bool = False) -> int:
+    """Slots per sequence and layer that one rank's target cache holds; ``tree``: its
+    verify graphs verify draft trees (laid out as a shard on a group of one too)."""
+    if dcp_size == 1 and not tree:
         return max_seq_len
     return KVLayout.capacity_of(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
 
@@ -99,8 +105,13 @@ class MemoryPlanner:
     draft: object | None = None
     """A ``DraftConfig``, or None."""
     verify_tokens: int = 0
+    """New tokens of a verify step, and its staging slots: ``k + 1`` for a chain of ``k``,
+    ``draft_tokens + 1`` for a tree; 0 without a draft."""
     interleave: int = 1
     step_tokens: int | None = None
+    tree: bool = False
+    """The target verifies draft trees: its cache carries the trash and staging slots on a
+    group of one too."""
 
     @cached_property
     def _weight_bytes(self) -> tuple[int, int]:
@@ -118,7 +129,7 @@ class MemoryPlanner:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         per_slot = cache_bytes_per_token(cfg, self.dtype)
-        slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens)
+        slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens, self.tree)
         target_weights, draft_bytes = self._weight_bytes
         if self.draft is not None:
             # The draft's one layer caches per-head keys and values whole (its shapes are
@@ -197,6 +208,7 @@ def plan_memory(
     verify_tokens: int = 0,
     interleave: int = 1,
     step_tokens: int | None = None,
+    tree: bool = False,
 ) -> MemoryPlan:
     """One rank's memory for ``target`` (a ``LlamaConfig``) at ``dcp_size``; the budget is
     ``budget_bytes`` or the total memory of the CUDA ``device``.  ``.fits`` says whether it
@@ -205,7 +217,7 @@ def plan_memory(
         if device is None:
             raise ValueError("plan_memory needs device= (a CUDA device) or budget_bytes=")
         budget_bytes = device_budget(device)
-    planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens)
+    planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens, tree)
     return planner.plan(dcp_size, max_batch, max_seq_len)
 
 

@@ -56,7 +56,8 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
     target, draft = loading.load(spec, max_batch=args.max_batch, max_seq_len=args.max_seq_len, device=group.device,
                                  dtype=dtype)
     lowering = args.lowering or ("inductor" if group.device.type == "cuda" else "aot_eager")
-    decoder = dcp.SpecDecoder(target, draft, group, k=args.k if draft is not None else 0, max_batch=args.max_batch,
+    shape = {"k": args.k, "topk": args.topk, "draft_tokens": args.draft_tokens} if draft is not None else {"k": 0}
+    decoder = dcp.SpecDecoder(target, draft, group, **shape, max_batch=args.max_batch,
                               max_seq_len=args.max_seq_len, temperature=args.temperature, seed=args.seed,
                               lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
                               cuda_graphs=args.cuda_graphs and group.device.type == "cuda")
@@ -143,9 +144,11 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     group = _join(args)
     engine, codec = _build_engine(args, group)
+    tree = engine.decoder.tree_shape
+    shape = f"k={engine.k}" if tree is None else f"tree k={tree.k} topk={tree.topk} draft_tokens={tree.draft_tokens}"
     print(f"dcp-compile serve: {args.model!r}" + (f" with draft {args.draft!r}" if args.draft else "")
           + f", DCP group of {group.size} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
-          f"{args.max_seq_len}, k={engine.k}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
+          f"{args.max_seq_len}, {shape}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout
     worker = EngineThread(engine, step_timeout=args.step_timeout, admission_window=args.admission_window_ms / 1000)
@@ -182,6 +185,8 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Serve's own flags; the draft's shape (``--k``, ``--topk``, ``--draft-tokens``) is the
+    other decoding commands' and ``cli`` adds it."""
     from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
     parser.add_argument("--model", default="tiny-code", help="shipped model name, a `dcp-compile train` directory, or "
@@ -195,7 +200,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="cache positions per row (default 1024)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per verify step (default 4)")
     parser.add_argument("--temperature", type=float, default=0.0, help="for requests that give none (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="the shared sampling generator's seed")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)

@@ -313,10 +313,11 @@ def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None
 
 
 def measure_acceptance(
-    model, *, device="cpu", k: int = 4, n_prompts: int = 32, prompt_bytes: int = 192, new_tokens: int = 128,
-    batch: int = 16, lowering: str = "aot_eager",
+    model, *, device="cpu", k: int = 4, topk: int = 1, draft_tokens: int | None = None, n_prompts: int = 32,
+    prompt_bytes: int = 192, new_tokens: int = 128, batch: int = 16, lowering: str = "aot_eager",
 ) -> dict:
-    """Greedy EAGLE decoding of held-out prompts on one rank: mean accept length at ``k``.
+    """Greedy EAGLE decoding of held-out prompts on one rank: mean accept length at depth
+    ``k``, drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree.
 
     ``model``: a shipped name or checkpoint directory, or a ``loading.ModelSpec`` (a
     Hugging Face model with its draft: the prompts are the same text through its
@@ -331,12 +332,15 @@ def measure_acceptance(
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
     target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
     group = dcp.DCPGroup(1, 0, device, None)
-    decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=batch, max_seq_len=max_seq_len, lowering=lowering)
+    draft_tokens = k if draft_tokens is None else draft_tokens
+    decoder = dcp.SpecDecoder(target, draft, group, k=k, topk=topk, draft_tokens=draft_tokens, max_batch=batch,
+                              max_seq_len=max_seq_len, lowering=lowering)
     accepted = []
     for start in range(0, n_prompts, batch):
         for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens):
             accepted += out.accepted
-    return dict(k=k, prompts=n_prompts, prompt_bytes=prompt_bytes, new_tokens=new_tokens, verify_steps=len(accepted),
+    return dict(k=k, topk=topk, draft_tokens=draft_tokens, prompts=n_prompts, prompt_bytes=prompt_bytes,
+                new_tokens=new_tokens, verify_steps=len(accepted),
                 mean_accept_length=sum(a + 1 for a in accepted) / len(accepted),
                 accept_histogram=[accepted.count(i) for i in range(k + 1)])
 

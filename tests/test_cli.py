@@ -29,7 +29,8 @@ def test_demo_spawns_two_ranks_and_reports_parity():
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     check_summary(summary)
-    assert summary["new_tokens"] == [24, 24, 24] and summary["k"] == 4
+    assert summary["new_tokens"] == [24, 24, 24]
+    assert (summary["k"], summary["topk"], summary["draft_tokens"]) == (4, 1, 4), "the chain by default"
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,37 @@ def test_demo_rejects_bad_flags(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+TREE_REFUSALS = {
+    "topk below 1": (("--topk", "0"), "--k 4 --topk 0 --draft-tokens 4: topk must be >= 1, got topk=0"),
+    "fewer nodes than the depth": (("--draft-tokens", "3"), "draft_tokens=3 is below the depth k=4"),
+    "more nodes than the tree holds": (("--topk", "2", "--draft-tokens", "15"),
+                                       "(topk + (k - 1) * topk**2 = 14 candidates): set draft_tokens <= 14"),
+}
+
+
+@pytest.mark.parametrize("case", TREE_REFUSALS)
+@pytest.mark.parametrize("command", ["demo", "gate", "eval", "serve", "plan"])
+def test_a_tree_shape_no_tree_has_is_a_usage_error(command, case, capsys):
+    flags, message = TREE_REFUSALS[case]
+    extra = ["--gpu-gib", "80"] if command == "plan" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--k", "4", *flags, *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert message in err, err
+
+
+def test_eval_of_a_tree_names_its_shape_and_accepts_within_the_depth(capsys):
+    assert main(["eval", "--k", "4", "--topk", "2", "--draft-tokens", "6", "--prompts", "2",
+                 "--max-new-tokens", "16", "--lowering", "aot_eager"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["k"], result["topk"], result["draft_tokens"]) == (4, 2, 6)
+    # a step accepts 0..k draft tokens and emits one more
+    histogram = result["accept_histogram"]
+    assert len(histogram) == 4 + 1 and sum(histogram) == result["verify_steps"] > 0
+    assert 1 <= result["mean_accept_length"] <= 4 + 1
 
 
 @pytest.mark.parametrize("command", ["demo", "gate", "eval", "serve", "plan"])

@@ -36,7 +36,18 @@ def test_an_hf_model_without_a_draft_decodes_one_token_per_step_at_dcp_2(exporte
                  "--max-new-tokens", "12", "--json"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and summary["passed"] and summary["token_identity_rate"] == 1.0
-    assert summary["k"] == 0 and summary["histogram_dcp"] == [2 * 11], "every step emits the target's one token"
+    assert (summary["k"], summary["topk"], summary["draft_tokens"]) == (0, 1, 0)
+    assert summary["histogram_dcp"] == [2 * 11], "every step emits the target's one token"
+
+
+@pytest.mark.parametrize("command", ["demo", "gate", "serve"])
+def test_a_tree_for_an_hf_model_without_a_draft_is_a_usage_error(command, exported, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--model", str(exported / "target"), "--topk", "2", "--draft-tokens", "6"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "--topk and --draft-tokens given, but --model" in err and "has no draft (one token per step)" in err
+    assert "pass --draft DIR or drop --topk and --draft-tokens" in err
 
 
 def test_export_refuses_a_directory_that_holds_files(exported, capsys):

@@ -25,6 +25,26 @@ def test_kv_bytes_follow_the_layout():
     assert planner.plan(3, 4, 1000).target_kv_bytes == per_slot * 4 * 340
 
 
+def test_a_tree_target_keeps_its_trash_and_staging_slots_on_a_group_of_one():
+    cfg = LlamaConfig(n_layers=3, n_kv_heads=2, dim=64, n_heads=4)  # head_dim 16
+    per_slot = 3 * 2 * 2 * 16 * 2
+    # a chain of 4 verifies in place on a group of one; a tree of 6 nodes stages its root
+    # and nodes (7 slots) after the trash slot, on any group
+    assert kv_slots(1000, 1, verify_tokens=5) == 1000
+    assert kv_slots(1000, 1, verify_tokens=7, tree=True) == 1000 + 1 + 7
+    assert kv_slots(1000, 3, 2, 7, tree=True) == kv_slots(1000, 3, 2, 7) == 334 + 1 + 7
+    tree = MemoryPlanner(cfg, budget_bytes=1 << 40, dtype=torch.bfloat16, verify_tokens=7, tree=True)
+    assert tree.plan(1, 4, 1000).target_kv_bytes == per_slot * 4 * 1008
+    assert plan_memory(cfg, dcp_size=1, max_batch=4, max_seq_len=1000, budget_bytes=1 << 40, verify_tokens=7,
+                       tree=True).target_kv_bytes == per_slot * 4 * 1008
+    # and prepare lays a tree target's caches out so
+    small = LlamaConfig()
+    model = make_model(small, cache_device="meta")
+    dcp.prepare(model, dcp.init_group("cpu"), max_batch=small.max_batch, max_seq_len=small.max_seq_len,
+                verify_tokens=7, tree=True)
+    assert model.layers[0].attention.k_cache.shape[2] == kv_slots(small.max_seq_len, 1, verify_tokens=7, tree=True)
+
+
 def test_weights_are_counted_from_the_model_itself():
     cfg = LlamaConfig()
     model = make_model(cfg)
@@ -104,11 +124,27 @@ def test_plan_command_prints_what_the_planner_says(capsys):
     assert widest[1] >= 2 * widest[0] - 1 and longest[1] > longest[0]
 
 
+def test_plan_command_sizes_a_tree_by_its_verify_width(capsys):
+    from dcp_compile.cli import main
+    from dcp_compile.models.llama import llama3_8b_shape
+
+    assert main(["plan", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8", "--contexts", "131072",
+                 "--k", "4", "--topk", "2", "--draft-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    cfg = llama3_8b_shape()
+    planner = MemoryPlanner(cfg, int(139.8 * GiB), draft=DraftConfig(cfg, "eagle3"), verify_tokens=7, tree=True)
+    assert "EAGLE3 draft, tree k=4 topk=2 draft_tokens=6" in printed
+    assert f"| 8 | {planner.longest_context(1, 8):,} | {planner.longest_context(2, 8):,} |" in printed
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--dcp", "0"], "--dcp takes comma-separated positive integers, got '0'"),
     (["--batches", "8,x"], "--batches takes comma-separated positive integers"),
     (["--gpu-gib", "-1"], "--gpu-gib must be > 0"),
     (["--k", "-1"], "--k must be >= 0"),
+    (["--k", "0", "--topk", "2"], "--topk given with --k 0: a draft tree needs a draft, and --k 0 asks for none"),
+    (["--k", "0", "--draft-tokens", "4"], "--draft-tokens given with --k 0"),
+    (["--model", "deepseek-v2-lite", "--topk", "2"], "attends through MLA's latent cache, which takes no tree mask"),
 ])
 def test_plan_command_bad_flags(capsys, argv, message):
     from dcp_compile.cli import main
