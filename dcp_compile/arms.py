@@ -39,8 +39,7 @@ def _compile_progress(decoder, label: str, enabled: bool):
     from tqdm.auto import tqdm
 
     backends = [b for b in (decoder.target_backend, decoder.verify_backend, decoder.draft_backend) if b is not None]
-    # prefill, verify, and the draft's prefill, extend and step graphs
-    total = 5 if decoder.draft is not None else 2
+    total = decoder.graph_count
     bar = tqdm(total=total, desc=label, unit="graph", disable=not enabled, leave=True, dynamic_ncols=True)
     done = threading.Event()
 

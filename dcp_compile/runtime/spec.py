@@ -406,6 +406,15 @@ class SpecDecoder:
                                       target_vocab=target.vocab_size, draft=draft,
                                       target_features=target.feature_width > 0, tree=shape)
 
+    @property
+    def graph_count(self) -> int:
+        """Graphs the backends compile for one decode: the target's prefill chunk and
+        verify, and the draft's chunk, extend and then its step (a chain) or one graph
+        per tree depth after the first."""
+        if self.draft is None:
+            return 2
+        return 4 + (min(self.k - 1, 1) if self.tree_shape is None else self.k - 1)
+
     @staticmethod
     def _tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len) -> TreeShape | None:
         """The draft tree's shape, or ``None`` for a chain; refuses a bad one by name."""

@@ -34,7 +34,16 @@ from dataclasses import replace
 import torch
 
 from dcp_compile.runtime.sampling import Noise
-from dcp_compile.runtime.tree import Tree, TreeShape, accept_greedy, accept_sampled, commit_slots, emitted, expand, select
+from dcp_compile.runtime.tree import (
+    Tree,
+    TreeShape,
+    accept_greedy,
+    accept_sampled,
+    commit_slots,
+    emitted,
+    expand,
+    select,
+)
 
 
 def path_masks(topk: int, depth: int, batch: int, device) -> torch.Tensor:

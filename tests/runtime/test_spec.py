@@ -6,6 +6,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig
 from dcp_compile.runtime.sampling import accept_chain
+from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.runtime.spec import SpecDecoder
 from tests.support import agreeing_pair, make_model
 
@@ -55,14 +56,42 @@ def decoder(**overrides):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(k=0), r"k \(draft tokens per step\) must be an int >= 1"),
-        (dict(topk=2), "tree drafts, which are not supported yet: only chain drafts"),
+        (dict(k=0), r"k \(the draft depth: draft tokens per step for a chain\) must be an int >= 1"),
+        (dict(topk=0), "topk must be >= 1, got topk=0; topk=1 with draft_tokens=k is the chain"),
+        (dict(k=3, topk=2, draft_tokens=2), "draft_tokens=2 is below the depth k=3"),
+        (dict(k=3, topk=2, draft_tokens=11), r"more than a tree of depth k=3 and topk=2 holds .* = 10 candidates"),
+        (dict(k=2, topk=2, draft_tokens=4, tree=False), "tree=False asks for a chain, but topk=2 and draft_tokens=4"),
+        (dict(k=5, topk=4, draft_tokens=60, max_seq_len=48), "verifies 61 new tokens per step, more than a cache of "
+                                                              "max_seq_len=48 holds"),
         (dict(temperature=-1.0), "temperature must be >= 0"),
     ],
 )
 def test_bad_decoder_arguments(overrides, message):
     with pytest.raises(ValueError, match=message):
         decoder(**overrides)
+
+
+def test_a_bad_tree_leaves_both_models_unprepared():
+    target, draft = agreeing_pair("eagle3", noise=3.0)
+    with pytest.raises(ValueError, match="draft_tokens=1 is below the depth k=2"):
+        SpecDecoder(target, draft, dcp.init_group("cpu"), k=2, topk=2, draft_tokens=1, max_batch=4, max_seq_len=96)
+    assert target.layers[0].attention.k_cache.shape[2] == 96, "nothing was prepared"
+    SpecDecoder(target, draft, dcp.init_group("cpu"), k=2, topk=2, draft_tokens=4, max_batch=4, max_seq_len=96,
+                lowering="aot_eager")
+    assert target.layers[0].attention.k_cache.shape[2] == 96 + 1 + 5, "a tree target stages on a group of one"
+
+
+def test_tree_arguments_without_a_draft_are_refused():
+    target, _ = agreeing_pair("eagle3", noise=3.0)
+    with pytest.raises(ValueError, match="which need a draft; without one"):
+        SpecDecoder(target, None, dcp.init_group("cpu"), k=0, topk=2, max_batch=4, max_seq_len=96)
+
+
+def test_an_mla_target_is_refused_a_tree_before_anything_is_prepared():
+    target, draft = agreeing_pair("eagle3", noise=3.0, target="mla")
+    with pytest.raises(GraphPatternError, match="MLA's latent cache, whose window takes no tree mask yet"):
+        SpecDecoder(target, draft, dcp.init_group("cpu"), k=2, topk=2, draft_tokens=4, max_batch=4, max_seq_len=96,
+                    lowering="aot_eager")
 
 
 @pytest.mark.parametrize(
@@ -189,5 +218,5 @@ def test_without_a_draft_the_decoder_emits_the_targets_greedy_tokens():
 
 
 def test_draft_tokens_without_a_draft_are_refused():
-    with pytest.raises(ValueError, match="k=2 draft tokens per step need a draft; without one"):
+    with pytest.raises(ValueError, match="k=2, topk=1, draft_tokens=None and tree=None ask for draft tokens, which need a draft; without one"):
         SpecDecoder(make_model(LlamaConfig()), None, dcp.init_group("cpu"), k=2, max_batch=3, max_seq_len=64)

@@ -426,3 +426,129 @@ def mla_parity_worker(rank, size, interleave, decode_steps, form="einsum"):
             refs.append(reference(tokens, at))
     caches = {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("_cache")}
     return dict(outs=outs, refs=refs, caches=caches, collectives=backend.collective_counts)
+
+
+def random_tree(n_nodes: int, max_depth: int, gen: torch.Generator):
+    """``(parents, depth)`` of a random tree of ``n_nodes`` in topological order (node
+    ``j``'s parent is -1, the root, or an earlier node), no deeper than ``max_depth``."""
+    parents, depth = [], []
+    for j in range(n_nodes):
+        choices = [-1] + [i for i in range(j) if depth[i] < max_depth]
+        parent = choices[int(torch.randint(len(choices), (), generator=gen))]
+        parents.append(parent)
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return parents, depth
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """The nodes from depth 1 down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def tree_verify_commit_worker(rank, size, interleaves, rounds, seed):
+    """``tree_verify_round_trip`` for each interleave, on one set of ranks."""
+    return [tree_verify_round_trip(interleave, rounds, seed) for interleave in interleaves]
+
+
+def tree_verify_round_trip(interleave, rounds, seed):
+    """Prefill, then rounds of a tree verify (a random tree of ``N`` nodes under its
+    ancestor mask) and the commit of a random root-to-node path, against the unsharded
+    eager model fed each node's path as a sequence; a decode after the last commit reads
+    the committed paths."""
+    from dcp_compile.ops.tree_mask import TreeCall
+    from dcp_compile.runtime.commit import KVCommit
+    from dcp_compile.runtime.generate import pad_prompts
+    from dcp_compile.runtime.tree import _ancestors
+    from tests.support import make_prompts
+
+    n_nodes, max_depth = 6, 3
+    group = dcp.init_group("cpu")
+    cfg = LlamaConfig()
+    reference, model = make_model(cfg), make_model(cfg)
+    dcp.prepare(model, group, "target", max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len, interleave=interleave,
+                verify_tokens=n_nodes + 1, tree=True)
+    decode = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    verify_backend = dcp.backend(group, verify=True, lowering="aot_eager")
+    verify = torch.compile(TreeCall(model), backend=verify_backend, fullgraph=True, dynamic=False)
+    commit = KVCommit(model)
+    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    readable = caches[0].shape[2] - (n_nodes + 1)  # committed slots and the trash slot
+
+    gen = torch.Generator().manual_seed(seed)
+    B = cfg.max_batch
+    tokens, positions, lengths = pad_prompts(make_prompts(), "cpu")
+    outs, refs, untouched, paths = [], [], [], []
+    with torch.no_grad():
+        outs.append(decode(tokens, positions))
+        refs.append(reference(tokens, positions))
+        start = lengths.clone()
+        for _ in range(rounds):
+            parents, depth = random_tree(n_nodes, max_depth, gen)
+            node_tokens = torch.randint(0, cfg.vocab_size, (B, n_nodes), generator=gen)
+            verify_tokens = torch.cat([torch.randint(0, cfg.vocab_size, (B, 1), generator=gen), node_tokens], 1)
+            verify_positions = start[:, None] + torch.tensor([0] + depth)
+            ancestors = _ancestors(torch.tensor(parents).expand(B, n_nodes), max_depth)
+            before = [c[:, :, :readable].clone() for c in caches]
+            outs.append(verify(verify_tokens, verify_positions, ancestors))
+            untouched.append(all(torch.equal(b, c[:, :, :readable]) for b, c in zip(before, caches)))
+            # Each node's logits: the path root..node fed as a sequence from start.
+            expected = torch.empty_like(outs[-1])
+            for slot in range(n_nodes + 1):
+                path = [0] + [j + 1 for j in path_to(slot - 1, parents)] if slot else [0]
+                steps = torch.arange(len(path))
+                expected[:, slot] = reference(verify_tokens[:, path], start[:, None] + steps)[:, -1]
+            refs.append(expected)
+            end = int(torch.randint(n_nodes + 1, (), generator=gen))  # accept root..end (0: the root alone)
+            path = [0] + ([j + 1 for j in path_to(end - 1, parents)] if end else [])
+            paths.append(path)
+            slots = torch.tensor(path).expand(B, len(path)).contiguous()
+            commit(start, torch.full((B,), len(path)), slots)
+            reference(verify_tokens[:, path], start[:, None] + torch.arange(len(path)))  # the reference commits too
+            start = start + len(path)
+        token = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen)
+        outs.append(decode(token, start[:, None]))
+        refs.append(reference(token, start[:, None]))
+    graph = verify_backend.compiled[0].graph_module.code
+    return dict(outs=outs, refs=refs, untouched=untouched, paths=paths, commit_needed=commit.needed, verify_graph=graph)
+
+
+TREE_PROMPT_LENGTHS = (3, 9, 14, 20)
+TREE_TEMPERATURES = (0.0, 0.0, 0.8, 0.8)
+"""Two greedy rows and two sampled rows share every batch."""
+
+
+def tree_spec_worker(rank, size, runs, max_new_tokens):
+    """Speculative decoding of four prompts (``TREE_TEMPERATURES``) with the agreeing test
+    pair, once per entry of ``runs`` (``SpecDecoder`` keyword arguments; ``k=0``: the
+    target alone), on ``size`` ranks; fresh models and graphs for each."""
+    from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+    from dcp_compile.runtime.spec import SpecDecoder
+    from tests.support import agreeing_pair
+
+    group = dcp.init_group("cpu")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in TREE_PROMPT_LENGTHS]
+    results = []
+    for run in runs:
+        torch._dynamo.reset()
+        target, draft = agreeing_pair("eagle3", noise=3.0)
+        options = dict(max_batch=4, max_seq_len=96, seed=11, lowering="aot_eager", check_ranks=True) | run
+        decoder = SpecDecoder(target, draft if run["k"] else None, group, **options)
+        engine = SpecEngine(decoder)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=100 + i))
+               for i, (p, t) in enumerate(zip(prompts, TREE_TEMPERATURES))]
+        tokens, accepted = {i: [] for i in ids}, {i: [] for i in ids}
+        while engine.has_work():
+            for request, event in engine.step().items():
+                tokens[request] += event.tokens
+                accepted[request] += event.accepted
+        results.append(dict(
+            tokens=[tokens[i] for i in ids], accepted=[accepted[i] for i in ids], tree=decoder.tree_shape,
+            draft_collectives=decoder.draft_backend.collective_counts if run["k"] else [],
+            draft_cache=tuple(draft.attention.k_cache.shape),
+        ))
+    return results
