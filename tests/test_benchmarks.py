@@ -229,3 +229,20 @@ def test_the_tree_accept_table_matches_the_chain_of_dcp_compile_eval(tmp_path):
         assert r["verify_tokens"] == r["draft_tokens"] + 1 and sum(r["accept_histogram"]) == r["verify_steps"]
         assert 1 <= r["accept_length"] <= r["k"] + 1
         assert r["accept_length"] == pytest.approx(r["mean_accepted"] + 1)
+
+
+def test_the_tree_step_benchmark_times_a_chain_and_a_tree_at_cpu_size(tmp_path):
+    """``bench_tree_step.py --small``: a row per shape and context, the expected tokens/s
+    computed from the step it timed and the accept length it was given."""
+    import subprocess
+
+    out = tmp_path / "tree_step.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_tree_step.py"), "--small", "--device", "cpu",
+                           "--lowering", "aot_eager", "--batches", "2", "--contexts", "64", "--shapes", "3,1,3", "3,2,5",
+                           "--accept", "3,2,5=2.5", "--reps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["k"], r["topk"], r["draft_tokens"], r["context"]) for r in rows] == [(3, 1, 3, 64), (3, 2, 5, 64)]
+    assert all(r["step_ms"] > 0 for r in rows) and "tokens_per_s" not in rows[0]
+    assert rows[1]["tokens_per_s"] == pytest.approx(2 * 2.5 / (rows[1]["step_ms"] / 1e3))
