@@ -140,8 +140,9 @@ def _window_attention(graph, site: AttentionSite, query, new_kv, positions, lowe
         return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
     key_masks = site.mask.key_masks
     if not key_masks:
-        options = {name: value for name, value in (("lower", lower), ("ancestors", ancestors)) if value is not None}
-        return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale), options)
+        bound = () if lower is None else (lower,)
+        tree = {} if ancestors is None else dict(ancestors=ancestors)
+        return graph.call_function(WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale, *bound), tree)
     allowed = graph.call_function(window_allowed, (positions, *key_masks), dict(lower=lower))
     if ancestors is not None:
         allowed = graph.call_function(torch.logical_and, (allowed, ancestors))
