@@ -97,15 +97,14 @@ class SpecGraphs:
         self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm,
                                            check_positions=checked)
         self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
-        self.target_verify = torch.compile(target, backend=self.verify_backend, fullgraph=True, dynamic=False)
+        # A tree's verify and draft depths take its ancestor mask beside the positions.
+        verified = target if tree is None else TreeCall(target)
+        self.target_verify = torch.compile(verified, backend=self.verify_backend, fullgraph=True, dynamic=False)
         self.draft_backend = self.draft_forward = self.draft_tree = None
         if draft is not None:
             self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
             self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         if tree is not None:
-            # The tree's verify and draft depths take its ancestor mask beside the positions.
-            self.target_verify = torch.compile(TreeCall(target), backend=self.verify_backend, fullgraph=True,
-                                               dynamic=False)
             self.draft_tree = [torch.compile(TreeCall(draft), backend=self.draft_backend, fullgraph=True, dynamic=False)
                                for _ in range(tree.k - 1)]  # one per depth after the first
         self.commit = KVCommit(target)
