@@ -171,6 +171,43 @@ def _store_partial(acc, m, l, O, LSE, o_rows, lse_rows, offs_d, row_ok):
 
 
 @triton.jit
+def _load_block(ptrs, live, cols, MASK_SLOTS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A ``[BLOCK_S, D]`` block of K or V, masked only along the axes that need it."""
+    if MASK_SLOTS:
+        if MASK_COLS:
+            block = tl.load(ptrs, mask=live[:, None] & cols[None, :], other=0.0)
+        else:
+            block = tl.load(ptrs, mask=live[:, None], other=0.0)
+    else:
+        if MASK_COLS:
+            block = tl.load(ptrs, mask=cols[None, :], other=0.0)
+        else:
+            block = tl.load(ptrs)
+    return block
+
+
+@triton.jit
+def _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
+                  s_ks, s_kd, s_vs, s_vd, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr):
+    """One block of ``BLOCK_S`` slots from ``start``: ``(acc, m, l)`` updated.  ``MASKED``
+    for a block that may pass ``hi``.  The scale enters the online softmax as one
+    multiply-add per score (``max(s) * c == max(s * c)`` for ``c > 0``), as in FlashAttention-2."""
+    offs_s = start + tl.arange(0, BLOCK_S)
+    live = offs_s < hi
+    k = _load_block(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, live, k_cols, MASKED, DK != D)
+    v = _load_block(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, live, v_cols, MASKED, DV != D)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
+    if MASKED:
+        scores = tl.where(live[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1) * qk_scale)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores * qk_scale - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _prefix_split_kernel(
     Q, K, V, KV_LEN, KV_START, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -218,23 +255,17 @@ def _prefix_split_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS, D], tl.float32)
-    for start in range(lo, hi, BLOCK_S):
-        offs_s = start + tl.arange(0, BLOCK_S)
-        live = offs_s < hi
-        if DK == D:  # the mask on the head axis only where it masks something
-            k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, mask=live[:, None] & k_cols[None, :],
-                        other=0.0)
-        if DV == D:
-            v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None], other=0.0)
-        else:
-            v = tl.load(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, mask=live[:, None] & v_cols[None, :],
-                        other=0.0)
-        # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
-        scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
-        p, alpha, m, l = _softmax_step(scores, live, m, l)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # The cast pins fp32 where a caller (Inductor) passes qk_scale as an fp64 scalar.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    # Whole blocks run without masks (a wide verify step is bound by this loop's
+    # arithmetic); only a slice's last, partial block pays for them.
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_S * BLOCK_S
+    for start in range(lo, full_hi, BLOCK_S):
+        acc, m, l = _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
+                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, False)
+    if full_hi < hi:
+        acc, m, l = _prefix_block(q, k_base, v_base, full_hi, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
+                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, True)
 
     _store_partial(acc, m, l, O, LSE, b * s_ob + head * s_oh + tok * s_ot + split * s_os,
                    b * s_lb + head * s_lh + tok * s_lt + split * s_ls, offs_d, row_ok)
@@ -341,6 +372,8 @@ def prefix_attention_triton(
     block_s: int | None = None,
     kv_start: torch.Tensor | None = None,
     rows: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,Dv], lse fp32 [B,Hq,T])``.
 
@@ -352,6 +385,7 @@ def prefix_attention_triton(
     and tuning.  ``kv_start [B]``: slots ``[kv_start[b], kv_len[b])`` (a left-padding bound).
     ``rows`` (query rows a program holds: 16, 32, 64 or 128) overrides ``MAX_ROWS`` /
     ``WIDE_ROWS``, for tests and tuning; more than 64 take two pipeline stages.
+    ``num_warps`` and ``num_stages`` override ``NUM_WARPS`` and those stages, for tuning.
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
     check_lower("prefix_attention", "kv_start", kv_start, q)
@@ -382,8 +416,8 @@ def prefix_attention_triton(
         S, T, G, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES if rows <= MAX_ROWS else 2,
+        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=num_warps or NUM_WARPS,
+        num_stages=num_stages or (NUM_STAGES if rows <= MAX_ROWS else 2),
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     # A step's output (a few hundred rows at most: wider steps fill the GPU and go to the
