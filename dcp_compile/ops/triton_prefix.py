@@ -83,9 +83,11 @@ MAX_ROWS = 64
 """Query rows (G * T) one program holds in a decode or chain-verify step."""
 WIDE_ROWS = 128
 """Query rows one program holds once a step has more than ``MAX_ROWS`` (tree verifies):
-each K/V block is then loaded once for twice the rows, in two pipeline stages so that Q
-(32 KB at bf16 D=128) fits beside them.  On the H200 at Hq=32, Hkv=8, S=64K it ran
-1.36-1.71x faster than 64-row blocks at every batch (1-8) and width (24-128 tokens).
+each K/V block is then loaded once for twice the rows.  On the H200 at Hq=32, Hkv=8,
+S=64K it ran 1.36-1.71x faster than 64-row blocks at every batch (1-8) and width (24-128
+tokens).  It keeps the ``NUM_STAGES`` of the narrow tile: Q (32 KB at bf16 D=128) and three
+stages fill 224 KB of the SM, and at batch 1 and 8, 32 and 64 tokens three stages ran
+1.28-1.33x faster than two (``benchmarks/exp_prefix_variants.py``).
 Only for head rows of at most ``WIDE_ROW_BYTES``; more rows are split over row blocks,
 each rereading K/V (from L2 in practice)."""
 WIDE_ROW_BYTES = 256
@@ -384,7 +386,7 @@ def prefix_attention_triton(
     step: 16, 32, 64 or 128) override ``split_plan`` and ``default_block_s``, for tests
     and tuning.  ``kv_start [B]``: slots ``[kv_start[b], kv_len[b])`` (a left-padding bound).
     ``rows`` (query rows a program holds: 16, 32, 64 or 128) overrides ``MAX_ROWS`` /
-    ``WIDE_ROWS``, for tests and tuning; more than 64 take two pipeline stages.
+    ``WIDE_ROWS``, for tests and tuning.
     ``num_warps`` and ``num_stages`` override ``NUM_WARPS`` and those stages, for tuning.
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
@@ -417,7 +419,7 @@ def prefix_attention_triton(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=num_warps or NUM_WARPS,
-        num_stages=num_stages or (NUM_STAGES if rows <= MAX_ROWS else 2),
+        num_stages=num_stages or NUM_STAGES,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     # A step's output (a few hundred rows at most: wider steps fill the GPU and go to the
