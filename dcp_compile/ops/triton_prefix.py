@@ -47,9 +47,8 @@ and the op stays opaque on CPU.  The Triton path is a separate
   opaque fallback node inside its CUDA graphs), and plans their buffers.
 
 Both ways pick the kernel by its tiles against the SMs (``prefix_kernel``): this
-module's ``prefix_attention_triton`` for decode and verify steps, and for wider steps
-while the flash kernel's tiles would fill less than half the GPU (a batch-1 tree verify
-of 64 tokens); the flash kernel ``prefix_flash_triton`` of ``triton_flash.py`` once
+module's ``prefix_attention_triton`` for decode and verify steps up to 128 tokens, and for wider steps
+while the flash kernel's tiles would fill less than half the GPU; the flash kernel ``prefix_flash_triton`` of ``triton_flash.py`` once
 they fill it (prefill chunks).
 
 Making ``prefix_attention`` itself the triton_op would also inline the torch reference
@@ -102,18 +101,19 @@ MAX_SPLITS = 64
 """The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32."""
 DEFAULT_SM_COUNT = 132
 """SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
-SPLIT_KV_MAX_TOKENS = 16
+SPLIT_KV_MAX_TOKENS = 128
 """New tokens up to which a CUDA ``prefix_attention`` always runs this module's split-KV
-kernel (decode, short verify steps: bound by reading the cache once, and the kernel the
-split plan was tuned on)."""
+kernel: decode, chain verifies and tree verifies.  On the H200 at Hq=32, Hkv=8, S=64K it
+ran at least as fast as the flash kernel at every batch (1-8) and width (4-128 tokens),
+1.16-1.24x faster where the flash kernel's tiles fill the GPU (batch 8 from 48 tokens,
+batch 4 at 128; ``benchmarks/bench_verify_width.py``)."""
 FLASH_FILL = 0.5
-"""Wider steps (tree verifies, prefill chunks) go to the flash kernel of
-``triton_flash.py`` once its tiles (``B * Hkv * ceil(G * T / BLOCK_M)``) reach this share
-of the SMs, and stay on the split-KV kernel below it.  The flash kernel does not split
-the cache, so with few tiles it leaves most SMs idle and reads each KV head's whole
-shard on one SM: on the H200 at Hq=32, Hkv=8, S=64K, batch 1 (8 tiles) it took 1.12 ms
-at every T from 4 to 64, against 0.09-0.31 ms for the split-KV kernel; at batch 8, T=64
-(128 tiles) it was 2.1x faster than the split-KV kernel."""
+"""Wider steps (prefill chunks) go to the flash kernel of ``triton_flash.py`` once its
+tiles (``B * Hkv * ceil(G * T / BLOCK_M)``) reach this share of the SMs, and stay on the
+split-KV kernel below it.  The flash kernel does not split the cache, so with few tiles it
+leaves most SMs idle and reads each KV head's whole shard on one SM: on the H200 at
+Hq=32, Hkv=8, S=64K, batch 1 (8 tiles) it took 1.10-1.15 ms at every T from 4 to 128,
+against 0.07-0.27 ms for the split-KV kernel."""
 
 
 def prefix_kernel(batch: int, q_heads: int, kv_heads: int, tokens: int, head_dim: int, element_size: int,
@@ -428,9 +428,9 @@ def prefix_attention_triton(
 
 
 def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """The split-KV kernel while a step's flash tiles would leave the GPU half idle
-    (decode, verify steps, small batches of wide tree verifies), the flash kernel once
-    they fill it (prefill chunks, wide steps at larger batches): ``prefix_kernel``."""
+    """The split-KV kernel for decode and verify steps, and while a wider step's flash
+    tiles would leave the GPU half idle; the flash kernel once they fill it (prefill
+    chunks): ``prefix_kernel``."""
     B, Hq, T = (int(n) for n in q.shape[:3])
     width = kernel_width(int(k_cache.shape[-1]), int(v_cache.shape[-1]))
     choice = prefix_kernel(B, Hq, int(k_cache.shape[1]), T, width, q.element_size(), sm_count_of(q.device))

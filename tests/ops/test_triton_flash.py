@@ -295,10 +295,10 @@ SPLIT = ["_prefix_split_kernel", "_merge_splits_kernel"]
 @pytest.mark.parametrize("op,batch,t,kernels", [
     ("window", 2, 1, ["_flash_fwd_kernel"]),
     ("window", 2, 100, ["_flash_fwd_kernel"]),
-    ("prefix", 2, SPLIT_KV_MAX_TOKENS, SPLIT),  # decode and chain verify: always split-KV
-    ("prefix", 64, SPLIT_KV_MAX_TOKENS, ["_prefix_split_kernel"]),  # 128 programs: no slices to merge
+    ("prefix", 2, SPLIT_KV_MAX_TOKENS, SPLIT),  # decode, chain and tree verifies: always split-KV
+    ("prefix", 64, SPLIT_KV_MAX_TOKENS, ["_prefix_split_kernel"]),  # 512 programs: no slices to merge
     ("prefix", 2, 64, SPLIT),  # a wide verify whose flash tiles (4) would leave the GPU idle
-    ("prefix", 64, SPLIT_KV_MAX_TOKENS + 1, ["_flash_fwd_kernel"]),  # 128 flash tiles fill it
+    ("prefix", 64, SPLIT_KV_MAX_TOKENS + 1, ["_flash_fwd_kernel"]),  # 320 flash tiles fill it
     ("prefix", 2, 2048, ["_flash_fwd_kernel"]),  # a prefill chunk: 128 tiles
 ])
 def test_compiled_cuda_graph_holds_the_right_triton_kernel(op, batch, t, kernels):

@@ -157,16 +157,17 @@ def test_split_plan_covers_the_cache_in_one_wave(batch, capacity):
 
 
 @pytest.mark.parametrize("batch,tokens,expected", [
-    (1, 4, "split"), (64, SPLIT_KV_MAX_TOKENS, "split"),  # decode and chain verify, any batch
-    (1, 32, "split"), (1, 64, "split"), (1, 256, "split"),  # 8 to 64 flash tiles of 132 SMs
-    (8, 64, "flash"), (4, 128, "flash"), (1, 512, "flash"),  # 128 tiles: a full wave
+    (1, 4, "split"), (64, 16, "split"), (8, 64, "split"),  # decode, chain and tree verifies, any batch
+    (4, SPLIT_KV_MAX_TOKENS, "split"), (1, 256, "split"),  # 64 flash tiles of 132 SMs
+    (8, 256, "flash"), (1, 512, "flash"),  # 512 and 128 tiles: full waves
 ])
 def test_prefix_kernel_is_chosen_by_its_tiles_against_the_sms(batch, tokens, expected):
-    """Llama-3-8B heads (32 / 8, bf16 D=128) on 132 SMs: the flash kernel only once its
-    ``B * Hkv * ceil(G * T / 128)`` tiles reach half the SMs."""
+    """Llama-3-8B heads (32 / 8, bf16 D=128) on 132 SMs: the flash kernel only past
+    ``SPLIT_KV_MAX_TOKENS`` and once its ``B * Hkv * ceil(G * T / 128)`` tiles reach half the SMs."""
     assert prefix_kernel(batch, 32, 8, tokens, 128, 2, sm_count=132) == expected
-    if expected == "flash" and tokens > SPLIT_KV_MAX_TOKENS:  # twice the SMs: split again
-        assert prefix_kernel(batch, 32, 8, tokens, 128, 2, sm_count=2 * 132 * 2) == "split"
+    if expected == "flash":  # the same tiles on a GPU of more than twice their SMs: split again
+        tiles = batch * 8 * -(-4 * tokens // 128)
+        assert prefix_kernel(batch, 32, 8, tokens, 128, 2, sm_count=2 * tiles + 1) == "split"
 
 
 def _trace(device, cuda_sm_count=132):
