@@ -363,6 +363,23 @@ def _merge_splits(o_part, lse_part, out, lse, num_splits: int) -> None:
         )
 
 
+def _tiles(q: torch.Tensor, D: int, rows_needed: int, block_s: int | None, rows: int | None) -> tuple[int, int]:
+    """``(block_s, rows)`` of a split-KV launch: the caller's, checked, or the defaults
+    (``default_block_s``; ``WIDE_ROWS`` past ``MAX_ROWS`` query rows a KV head)."""
+    if block_s is None:
+        block_s = default_block_s(D, q.element_size())
+    elif block_s not in (16, 32, 64, 128) or block_s > default_block_s(D, q.element_size()):
+        raise ValueError(
+            f"block_s must be one of 16, 32, 64, 128 and at most {default_block_s(D, q.element_size())} for "
+            f"D={D} in {q.dtype}, got {block_s}"
+        )
+    if rows is not None and rows not in (16, 32, 64, 128):
+        raise ValueError(f"rows must be one of 16, 32, 64, 128, got {rows}")
+    if rows is None:
+        rows = WIDE_ROWS if rows_needed > MAX_ROWS and D * q.element_size() <= WIDE_ROW_BYTES else MAX_ROWS
+    return block_s, min(rows, max(16, triton.next_power_of_2(rows_needed)))
+
+
 @triton_op("dcp::prefix_attention_triton", mutates_args=())
 def prefix_attention_triton(
     q: torch.Tensor,
@@ -397,18 +414,7 @@ def prefix_attention_triton(
     Hkv, S, DV = int(k_cache.shape[1]), int(k_cache.shape[2]), int(v_cache.shape[3])
     D = kernel_width(DK, DV)
     G = Hq // Hkv
-    if block_s is None:
-        block_s = default_block_s(D, q.element_size())
-    elif block_s not in (16, 32, 64, 128) or block_s > default_block_s(D, q.element_size()):
-        raise ValueError(
-            f"block_s must be one of 16, 32, 64, 128 and at most {default_block_s(D, q.element_size())} for "
-            f"D={D} in {q.dtype}, got {block_s}"
-        )
-    if rows is not None and rows not in (16, 32, 64, 128):
-        raise ValueError(f"rows must be one of 16, 32, 64, 128, got {rows}")
-    if rows is None:
-        rows = WIDE_ROWS if G * T > MAX_ROWS and D * q.element_size() <= WIDE_ROW_BYTES else MAX_ROWS
-    rows = min(rows, max(16, triton.next_power_of_2(G * T)))
+    block_s, rows = _tiles(q, D, G * T, block_s, rows)
     row_blocks = triton.cdiv(G * T, rows)
     num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, num_splits)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
