@@ -3,7 +3,7 @@
 The plain torch ``prefix_attention`` in ``attention.py`` stays the specification, the
 CPU path and the test oracle; this module adds the GPU path beside it.
 
-Decode and verify bring ``T <= 16`` new queries against a long local cache, so the
+Decode and chain verifies bring a few new queries against a long local cache, so the
 work is one read of K and V: the kernel is bound by HBM bandwidth, not arithmetic.
 Three choices follow from that:
 
@@ -23,6 +23,10 @@ Three choices follow from that:
   of whole blocks, so a sequence far shorter than the cache still spreads over every
   slice instead of leaving most of them idle.  Slices past a short sequence's length
   run no loop iteration and write ``lse = -inf``, ``out = 0``.
+
+Tree verifies (up to ``SPLIT_KV_MAX_TOKENS`` new tokens) run the same kernel; past 64
+query rows a KV head they are bound by its arithmetic.  For them a program holds
+``WIDE_ROWS`` rows, and every whole block runs without masks (``_prefix_block``).
 
 Under a left-padding mask (``kv_start``) a sequence's slots are ``[kv_start[b],
 kv_len[b])`` and its slices cut that range instead.
@@ -47,9 +51,10 @@ and the op stays opaque on CPU.  The Triton path is a separate
   opaque fallback node inside its CUDA graphs), and plans their buffers.
 
 Both ways pick the kernel by its tiles against the SMs (``prefix_kernel``): this
-module's ``prefix_attention_triton`` for decode and verify steps up to 128 tokens, and for wider steps
-while the flash kernel's tiles would fill less than half the GPU; the flash kernel ``prefix_flash_triton`` of ``triton_flash.py`` once
-they fill it (prefill chunks).
+module's ``prefix_attention_triton`` for decode and verify steps up to 128 tokens, and
+for wider steps while the flash kernel's tiles would fill less than half the GPU; the
+flash kernel ``prefix_flash_triton`` of ``triton_flash.py`` once they fill it (prefill
+chunks).
 
 Making ``prefix_attention`` itself the triton_op would also inline the torch reference
 into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``

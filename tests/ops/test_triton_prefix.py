@@ -158,7 +158,8 @@ def test_split_plan_covers_the_cache_in_one_wave(batch, capacity):
 
 @pytest.mark.parametrize("batch,tokens,expected", [
     (1, 4, "split"), (64, 16, "split"), (8, 64, "split"),  # decode, chain and tree verifies, any batch
-    (4, SPLIT_KV_MAX_TOKENS, "split"), (1, 256, "split"),  # 64 flash tiles of 132 SMs
+    (4, SPLIT_KV_MAX_TOKENS, "split"),  # 128 flash tiles, but no wider than a verify step
+    (1, 256, "split"),  # 64 flash tiles of 132 SMs
     (8, 256, "flash"), (1, 512, "flash"),  # 512 and 128 tiles: full waves
 ])
 def test_prefix_kernel_is_chosen_by_its_tiles_against_the_sms(batch, tokens, expected):
