@@ -30,13 +30,13 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.ops.guard import strip_backend_guards
-from dcp_compile.ops.tree_mask import strip_tree_positions
+from dcp_compile.ops.tree_mask import TreeMarks, strip_tree_positions
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.pipeline import PassTiming
-from dcp_compile.passes.shard_attention import COMMS
-from dcp_compile.passes.fx_utils import GraphPatternError, where
+from dcp_compile.passes.shard_attention import COMMS, TreeSlots
+from dcp_compile.passes.fx_utils import GraphPatternError, shape_of, where
 from dcp_compile.records import ROLES, CacheRecord, is_checked_table, record_for
 from dcp_compile.group import DCPGroup
 
@@ -134,7 +134,7 @@ class Backend:
                 f"one size to keep that to one graph)"
             )
         guards = strip_backend_guards(gm)
-        ancestors = strip_tree_positions(gm)
+        marks = strip_tree_positions(gm)
         plan = find(gm)
         if not plan.caches and (guards or not any(n.op.startswith("call") for n in gm.graph.nodes)):
             # Dynamo may compile a prepared model's forward pre-hook as a frame of its
@@ -157,7 +157,7 @@ class Backend:
         if self.role == "target" and self.group.size > 1:
             self._check_sharded_inputs(gm, plan, example_inputs)
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
-        passes = self._passes(plan, records, ancestors)
+        passes = self._passes(plan, records, marks)
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         gm, timings = run_passes(gm, plan, passes, dump_dir=self.dump_dir, tag=tag)
@@ -165,8 +165,10 @@ class Backend:
         compiled = self._lower(gm, example_inputs)
         return self._guard_positions(compiled, plan, records)
 
-    def _passes(self, plan: Plan, records: list[CacheRecord], ancestors) -> list:
-        """The passes for this graph's role; ``ancestors``: its tree mask node, if any."""
+    def _passes(self, plan: Plan, records: list[CacheRecord], marks: TreeMarks | None) -> list:
+        """The passes for this graph's role; ``marks``: its tree mask (and, for a tree
+        draft's depth, the draft cache's length), if any."""
+        ancestors = None if marks is None else marks.ancestors
         if self.role == "draft":
             proven = plan.sites and records and all(site.mask.proven for site in plan.sites)
             if ancestors is not None and not proven:
@@ -174,7 +176,11 @@ class Backend:
                     "a tree draft step needs the draft's attention in the form the passes prove position-causal, "
                     "so that its window can take the tree mask; this draft's is not (or it writes no KV cache)"
                 )
-            return draft_passes(records[0].layout if proven else None, ancestors)
+            slots = None if marks is None or marks.cached is None else self._tree_slots(plan, records, marks)
+            return draft_passes(records[0].layout if proven else None, ancestors, slots)
+        if marks is not None and marks.cached is not None:
+            raise ValueError("a staged tree call (TreeCall(model, staged=True)) is a draft's depth: compile it with "
+                             "dcp.backend(group, 'draft')")
         staged = self.verify and records[0].sharded
         if ancestors is not None and not staged:
             raise ValueError(
@@ -209,6 +215,20 @@ class Backend:
                     f"graph input {index} is a causal-mask table over the sharded KV cache that dcp.prepare did not "
                     f"check and shard; prepare the model with example inputs that exercise the same mask"
                 )
+
+    def _tree_slots(self, plan: Plan, records: list[CacheRecord], marks: TreeMarks) -> TreeSlots:
+        """Where a tree draft's depth keeps its nodes: after the ``S`` nodes its mask
+        ``[B, T, S + T]`` says the earlier depths left in the tree slots."""
+        tokens = max(w.index.tokens for w in plan.writes)
+        width = shape_of(marks.ancestors)[-1]
+        reserved = min(r.tree_slots for r in records)
+        if width < tokens or width > reserved:
+            raise ValueError(
+                f"this tree draft depth brings {tokens} new tokens under a mask over {width} keys (the nodes of the "
+                f"earlier depths, then its own), but prepare reserved tree_slots={reserved} in the draft's cache: "
+                f"call dcp.prepare(draft, ..., tree_slots={max(width, tokens)}) or more ((k - 1) * topk for a tree)"
+            )
+        return TreeSlots(records[0].layout.max_seq_len, width - tokens, marks.cached)
 
     def _staging_first_slot(self, plan: Plan, records: list[CacheRecord]) -> int | None:
         if not self.verify:

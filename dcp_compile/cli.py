@@ -160,7 +160,8 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                      f"plan it as a chain (drop --topk and --draft-tokens)")
     # a verify step brings the last accepted token and the draft's tokens (a chain's k, a tree's nodes)
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
-                                   verify_tokens=args.draft_tokens + 1 if args.k else 0, tree=tree)
+                                   verify_tokens=args.draft_tokens + 1 if args.k else 0, tree=tree,
+                                   draft_tree_slots=(args.k - 1) * args.topk if tree else 0)
     longest, widest = memory.capacity_tables(planner, sizes, batches, contexts)
     base = planner.plan(sizes[0], 1, 1)
     print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU, budget "

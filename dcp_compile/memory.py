@@ -12,13 +12,14 @@ Per rank the plan counts
   tree) and ``S`` for a chain on a group of one, which verifies in place; a tree target
   on a group of one is laid out as a shard too (``S + 1 + draft_tokens + 1``), since its
   siblings share positions;
-- the draft: its weights (the embedding is shared with the target) and its whole KV cache;
+- the draft: its weights (the embedding is shared with the target) and its whole KV cache
+  (``S`` slots, plus a tree's ``(k - 1) * topk`` tree slots for its drafted nodes);
 - a reserve for one step's activations: 2 GiB plus three fp32 copies of the step's logits
   (``B * step_tokens * vocab``).  A prefill of ``P`` tokens needs ``step_tokens=P``.
 
     planner = dcp.MemoryPlanner(cfg, dcp.device_budget("cuda"), draft=draft_cfg, verify_tokens=k + 1)
     # an EAGLE-2 tree of draft_tokens nodes:
-    # dcp.MemoryPlanner(..., verify_tokens=draft_tokens + 1, tree=True)
+    # dcp.MemoryPlanner(..., verify_tokens=draft_tokens + 1, tree=True, draft_tree_slots=(k - 1) * topk)
     planner.check(dcp_size=2, max_batch=8, max_seq_len=131072)   # CapacityError saying what fits
     planner.longest_context(dcp_size=2, max_batch=8)             # tokens per sequence that fit
 """
@@ -112,6 +113,8 @@ class MemoryPlanner:
     tree: bool = False
     """The target verifies draft trees: its cache carries the trash and staging slots on a
     group of one too."""
+    draft_tree_slots: int = 0
+    """The draft's tree slots past its cache (``TreeShape.tree_slots``): 0 for a chain."""
 
     @cached_property
     def _weight_bytes(self) -> tuple[int, int]:
@@ -135,7 +138,8 @@ class MemoryPlanner:
             # The draft's one layer caches per-head keys and values whole (its shapes are
             # those of the config it was built for: an MLA target's draft is a Llama layer).
             shapes = self.draft.target
-            draft_bytes += 2 * shapes.n_kv_heads * shapes.head_dim * self.dtype.itemsize * max_batch * max_seq_len
+            draft_slots = max_seq_len + self.draft_tree_slots
+            draft_bytes += 2 * shapes.n_kv_heads * shapes.head_dim * self.dtype.itemsize * max_batch * draft_slots
         step = self.step_tokens or max(self.verify_tokens, 1)
         return MemoryPlan(
             dcp_size=dcp_size, max_batch=max_batch, max_seq_len=max_seq_len,
@@ -209,6 +213,7 @@ def plan_memory(
     interleave: int = 1,
     step_tokens: int | None = None,
     tree: bool = False,
+    draft_tree_slots: int = 0,
 ) -> MemoryPlan:
     """One rank's memory for ``target`` (a ``LlamaConfig``) at ``dcp_size``; the budget is
     ``budget_bytes`` or the total memory of the CUDA ``device``.  ``.fits`` says whether it
@@ -217,7 +222,8 @@ def plan_memory(
         if device is None:
             raise ValueError("plan_memory needs device= (a CUDA device) or budget_bytes=")
         budget_bytes = device_budget(device)
-    planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens, tree)
+    planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens, tree,
+                            draft_tree_slots)
     return planner.plan(dcp_size, max_batch, max_seq_len)
 
 

@@ -35,6 +35,9 @@ class CacheRecord:
     verify_tokens: int = 0
     """Staging slots after the trash slot, where verify graphs park new tokens until a
     commit (sharded targets only)."""
+    tree_slots: int = 0
+    """Slots after a whole draft cache's ``max_seq_len``, where a tree draft's depths keep
+    their nodes for the later depths to attend to (drafts only)."""
 
     @property
     def sharded(self) -> bool:

@@ -45,6 +45,22 @@ def test_a_tree_target_keeps_its_trash_and_staging_slots_on_a_group_of_one():
     assert model.layers[0].attention.k_cache.shape[2] == kv_slots(small.max_seq_len, 1, verify_tokens=7, tree=True)
 
 
+def test_a_tree_drafts_cache_counts_its_tree_slots_as_prepare_allocates_them():
+    from dcp_compile.models import EagleDraft
+
+    cfg = LlamaConfig(max_batch=2, max_seq_len=40)
+    draft_cfg = DraftConfig(cfg, "eagle3")
+    chain, tree = (MemoryPlanner(cfg, 1 << 40, torch.float32, draft_cfg, 5, tree=t, draft_tree_slots=slots)
+                   for t, slots in ((False, 0), (True, 3 * 4)))
+    per_row_slot = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # keys and values, fp32
+    grown = tree.plan(1, 2, 40).draft_bytes - chain.plan(1, 2, 40).draft_bytes
+    assert grown == per_row_slot * 2 * 12
+    draft = EagleDraft(draft_cfg, cache_device="meta")
+    example = (torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, 3 * cfg.dim))
+    dcp.prepare(draft, dcp.init_group("cpu"), "draft", max_batch=2, max_seq_len=40, example_inputs=example, tree_slots=12)
+    assert draft.attention.k_cache.shape[2] == 40 + 12
+
+
 def test_weights_are_counted_from_the_model_itself():
     cfg = LlamaConfig()
     model = make_model(cfg)

@@ -8,9 +8,10 @@ Target (after shard_kv_writes + shard_attention):
   slot-wise map a site computes its keys and values with), so no node reads a
   full-length KV tensor.
 
-Draft (no rewrite):
+Draft (no rewrite of its writes):
 - zero collectives in the graph;
-- every KV write still stores at the positions it stored before the passes ran.
+- every KV write still stores at the positions it stored before the passes ran, or,
+  in a tree draft's depth, at the draft's tree slots.
 
 Never modifies the graph; raises ``InvariantError`` (a broken project invariant, not a
 user error) naming the offending node.  A real exception, not ``assert``: the checks
@@ -83,12 +84,14 @@ def check_target(gm: GraphModule, plan: Plan, comm: str = "ag", size: int = 2) -
     return gm
 
 
-def check_draft(gm: GraphModule, plan: Plan) -> GraphModule:
+def check_draft(gm: GraphModule, plan: Plan, staged: bool = False) -> GraphModule:
+    """``staged``: a tree draft's depth, whose writes go to the tree slots."""
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
     _require(not collectives, f"draft graph holds collectives: {[where(n) for n in collectives]}")
     for write in plan.writes:
-        _require(
-            positions_node(write.node, write.index) is write.positions,
-            f"draft KV write {where(write.node)} no longer stores at its own positions",
-        )
+        stored_at = positions_node(write.node, write.index)
+        if staged:
+            _require(stored_at.target is staging_slots, f"tree draft KV write {where(write.node)} does not store at the tree slots")
+        else:
+            _require(stored_at is write.positions, f"draft KV write {where(write.node)} no longer stores at its own positions")
     return gm

@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.layout import KVLayout
 from dcp_compile.passes.check import check_draft, check_target
 from dcp_compile.passes.find import Plan
-from dcp_compile.passes.shard_attention import shard_attention
+from dcp_compile.passes.shard_attention import TreeSlots, shard_attention
 from dcp_compile.passes.shard_kv_writes import shard_kv_writes
 
 log = logging.getLogger("dcp_compile.passes")
@@ -48,19 +48,25 @@ def target_passes(
     ]
 
 
-def draft_passes(layout: KVLayout | None = None, ancestors: Node | None = None) -> list[Pass]:
+def draft_passes(layout: KVLayout | None = None, ancestors: Node | None = None,
+                 slots: TreeSlots | None = None) -> list[Pass]:
     """``layout`` (the draft's whole-cache layout, size 1): lower each attention to the
     cascade with no collective, so the draft reads each sequence's own length of its
     cache, not the cache's capacity; the writes stay as they are.  ``None``: no rewrite.
-    ``ancestors``: a tree depth's mask node, for every window."""
+    ``ancestors``: a tree depth's mask node, for every window.  ``slots``: a tree depth
+    that keeps its nodes in the draft's tree slots: its writes go there, and its windows
+    read the earlier depths' nodes from there."""
     if layout is None:
         return [check_draft]
     if layout.size != 1:
         raise ValueError(f"a draft's cache is whole on every rank: expected a layout of size 1, got {layout.size}")
-    return [
-        functools.partial(shard_attention, layout=layout, group_name=None, ancestors=ancestors),
+    writes = [] if slots is None else [
+        functools.partial(shard_kv_writes, layout=layout, staging_first_slot=slots.first_slot + slots.staged)
+    ]
+    return writes + [
+        functools.partial(shard_attention, layout=layout, group_name=None, ancestors=ancestors, slots=slots),
         functools.partial(check_target, size=1),
-        check_draft,
+        functools.partial(check_draft, staged=slots is not None),
     ]
 
 

@@ -34,9 +34,10 @@ view chains feeding the old attention are erased once orphaned).
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
@@ -62,6 +63,22 @@ rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of 
 heads (all-to-all), merges those, then all-gathers the merged heads (in the output
 dtype).  a2a moves fewer bytes and merges 1/N of the heads per rank, for a second
 collective per layer; which wins is measured (``benchmarks/bench_merge.py``)."""
+
+
+@dataclass(frozen=True)
+class TreeSlots:
+    """A tree draft depth's part of the draft's tree slots (``prepare(tree_slots=)``):
+    its new tokens are stored at tree slots ``staged..staged+T-1``, and every window
+    attends to tree slots ``0..staged-1`` (the nodes of the earlier depths) beside the
+    new tokens, under the ancestor mask ``[B, T, staged + T]``."""
+
+    first_slot: int
+    """The cache slot of tree slot 0: the draft cache's ``max_seq_len``."""
+    staged: int
+    """Nodes the earlier depths left in the tree slots."""
+    cached: Node
+    """``[B]`` the draft cache's length per row: where each prefix stops (the nodes'
+    positions start past it)."""
 
 
 def _keys_transposed(expanded: ExpandedKV) -> bool:
@@ -133,9 +150,15 @@ def _prefix_attention(graph, site: AttentionSite, query, caches, positions, kv_l
     return graph.call_function(PREFIX_ATTENTION, (query, caches[0], caches[1], kv_len, site.scale, *bound))
 
 
-def _window_attention(graph, site: AttentionSite, query, new_kv, positions, lower, ancestors):
+def _window_attention(graph, site: AttentionSite, query, caches, new_kv, positions, lower, ancestors,
+                      slots: TreeSlots | None):
     """Attention over the new tokens, causal by global position, or under the tree's
-    ancestor mask where the graph brings one."""
+    ancestor mask where the graph brings one; a tree draft's depth attends to the
+    staged nodes in its tree slots too (``slots``)."""
+    if slots is not None and slots.staged:
+        staged = [graph.call_function(torch.narrow, (cache, 2, slots.first_slot, slots.staged)) for cache in caches]
+        keys, values = (graph.call_function(torch.cat, ([old, new],), dict(dim=2)) for old, new in zip(staged, new_kv))
+        return graph.call_function(attention_with_lse, (query, keys, values, ancestors, site.scale))
     if site.latent is not None:
         return graph.call_function(LATENT_WINDOW_ATTENTION, (query, new_kv[0], new_kv[1], positions, site.scale))
     key_masks = site.mask.key_masks
@@ -182,7 +205,7 @@ def _exchange_and_merge(graph, packed, window_attention, layout: KVLayout, group
 
 
 def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str,
-                  ancestors) -> None:
+                  ancestors, slots: TreeSlots | None) -> None:
     """Replace one site by the cascade: operands, prefix, collective with the window, merge."""
     graph = gm.graph
     k_write, latent = site.k_write, site.latent
@@ -196,7 +219,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             dict(shape=k_write.index.position_shape, tags=k_write.index.position_tags, batch=k_write.index.batch),
         )
         query, caches, new_kv = _site_operands(graph, site)
-        kv_len = graph.call_function(prefix_lengths, (positions,), sharding)
+        kv_len = slots.cached if slots is not None else graph.call_function(prefix_lengths, (positions,), sharding)
         if (site.mask.key_masks or site.mask.key_lower_bounds) and latent is not None:
             raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
         lower, kv_start = _lower_bound(graph, site, positions, sharding)
@@ -205,11 +228,11 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
         )
         out, window, comm_nodes = _exchange_and_merge(
-            graph, packed, lambda: _window_attention(graph, site, query, new_kv, positions, lower, ancestors), layout,
-            group_name, comm, out_dtype)
+            graph, packed, lambda: _window_attention(graph, site, query, caches, new_kv, positions, lower, ancestors,
+                                                     slots), layout, group_name, comm, out_dtype)
         if latent is not None:
             out = graph.call_function(torch.permute, (out, latent.out_perm))
-    for node in (positions, *new_kv, *caches, kv_len, prefix, packed, window, out, *comm_nodes):
+    for node in (positions, *new_kv, *caches, *([] if slots else [kv_len]), prefix, packed, window, out, *comm_nodes):
         node.meta["stack_trace"] = site.node.meta.get("stack_trace")
     site.node.replace_all_uses_with(out)
     graph.erase_node(site.node)
@@ -231,11 +254,13 @@ def _lower_bound(graph, site: AttentionSite, positions, sharding: dict):
 
 
 def shard_attention(
-    gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag", ancestors=None
+    gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag", ancestors=None,
+    slots: TreeSlots | None = None,
 ) -> GraphModule:
     """``layout.size == 1`` (``group_name`` None): the cascade without a collective.
     ``ancestors``: the graph's tree mask (``ops.tree_mask``), which every window takes
-    in place of the causal order of positions."""
+    in place of the causal order of positions.  ``slots``: a tree draft depth's tree
+    slots (a whole draft cache only)."""
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     for site in plan.sites:
@@ -251,7 +276,13 @@ def shard_attention(
                 f"comm='a2a' splits the {heads} query heads of the attention at {where(site.node)} over {layout.size} "
                 f"ranks, which needs heads divisible by the DCP size; use comm='ag' for this model"
             )
+    if slots is not None and (layout.size != 1 or ancestors is None):
+        raise ValueError("tree slots belong to a tree draft's depth: a whole cache (layout size 1) and a tree mask")
     for site in plan.sites:
-        _rewrite_site(gm, site, layout, group_name, comm, ancestors)
+        if slots is not None and (site.latent is not None or site.mask.key_masks or site.mask.key_lower_bounds):
+            raise GraphPatternError(
+                f"the attention at {where(site.node)} reads an MLA latent or a key-padding mask; a tree draft's depth "
+                f"takes a plain position-causal attention over per-head keys and values")
+        _rewrite_site(gm, site, layout, group_name, comm, ancestors, slots)
     gm.recompile()
     return gm

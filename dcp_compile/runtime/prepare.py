@@ -220,10 +220,11 @@ def _check_forward_with_shards(model: nn.Module, forward_args: tuple, placed: li
 
 
 def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_batch: int, verify_tokens: int, home,
-                  rank: int) -> tuple[list, int]:
+                  rank: int, tree_slots: int = 0) -> tuple[list, int]:
     """Swap each cache for this rank's buffer (its shard plus ``verify_tokens`` staging
-    slots, or a whole buffer where a meta one stood) and record it; returns
-    ``(module, attr, record)`` per cache and the bytes this rank now holds."""
+    slots, a whole buffer plus ``tree_slots``, or a whole buffer where a meta one stood)
+    and record it; returns ``(module, attr, record)`` per cache and the bytes this rank
+    now holds."""
     max_seq_len, sharded = layout.max_seq_len, layout.size > 1 or verify_tokens > 0  # a tree target of one rank too
     placed, pending, kv_bytes = [], [], 0
     for cache in plan.caches:
@@ -243,13 +244,14 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
                 f"{cache.seq_dim}); expected batch {max_batch} and sequence {max_seq_len} from prepare's "
                 f"max_batch and max_seq_len"
             )
-        if sharded or tensor.is_meta:
+        if sharded or tree_slots or tensor.is_meta:
             local_shape = list(tensor.shape)
             if sharded:
                 local_shape[cache.seq_dim] = layout.local_cache_len + verify_tokens
+            local_shape[cache.seq_dim] += tree_slots
             pending.append((module, attr, local_shape, tensor.dtype))
         placed.append((module, attr, CacheRecord(
-            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens
+            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens, tree_slots
         )))
     _check_free_memory(home, pending, rank)
     for module, attr, shape, dtype in pending:
@@ -292,7 +294,8 @@ def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str
     return mask_names
 
 
-def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens, tree) -> bool:
+def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens, tree,
+                     tree_slots=0) -> bool:
     """Refuse ``prepare``'s arguments before any rank exchanges anything or the model is
     touched; returns whether the role's caches are laid out as shards (over the group, or
     as one rank's shard for a tree target)."""
@@ -308,6 +311,10 @@ def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interle
             f"tree=True lays out a target's caches for tree verify graphs and needs verify_tokens >= 2 (the root "
             f"and at least one node); got role={role!r}, verify_tokens={verify_tokens}. A draft's cache stays whole"
         )
+    if not isinstance(tree_slots, int) or tree_slots < 0 or (tree_slots and role != "draft"):
+        raise ValueError(
+            f"tree_slots gives a draft's cache room for a tree's drafted nodes ((k - 1) * topk): a non-negative int "
+            f"for role='draft', got tree_slots={tree_slots!r} for role={role!r}")
     sharded = role == "target" and (group.size > 1 or tree)
     if sharded and group.size * interleave > max_seq_len:
         raise ValueError(
@@ -345,6 +352,7 @@ def prepare(
     interleave: int = 1,
     verify_tokens: int = 0,
     tree: bool = False,
+    tree_slots: int = 0,
 ) -> Prepared:
     """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
 
@@ -364,9 +372,13 @@ def prepare(
             even on a group of one their new tokens wait in staging slots for a commit:
             the caches are laid out as one rank's shard (owner slots, the trash slot,
             ``verify_tokens`` staging slots) whatever the group's size.
+        tree_slots: a draft's cache gets that many slots past ``max_seq_len``, where
+            the depths of a draft tree keep their nodes' keys and values for the later
+            depths to attend to (``TreeCall(draft, staged=True)``): ``(k - 1) * topk``.
     """
-    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree)
-    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree), role)
+    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree, tree_slots)
+    _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree,
+                                           tree_slots), role)
 
     home = _home_device(model)
     defaulted = example_inputs is None
@@ -379,7 +391,7 @@ def prepare(
             f"draft a chain (topk=1, draft_tokens=k) for this target")
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
-                                     home, group.rank)
+                                     home, group.rank, tree_slots)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     if sharded:
         _check_forward_with_shards(model, forward_args, placed, max_seq_len)

@@ -89,7 +89,8 @@ class SpecGraphs:
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
                 torch.zeros(max_batch, 1, target.feature_width, device=device, dtype=draft.dtype),
             )
-            prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example)
+            prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example,
+                    tree_slots=0 if tree is None else tree.tree_slots)
         # Captured steps cannot sync to check positions on the host; admission control
         # already keeps every request inside the cache.
         checked = not cuda_graphs
@@ -105,8 +106,8 @@ class SpecGraphs:
             self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
             self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         if tree is not None:
-            self.draft_tree = [torch.compile(TreeCall(draft), backend=self.draft_backend, fullgraph=True, dynamic=False)
-                               for _ in range(tree.k - 1)]  # one per depth after the first
+            self.draft_tree = [torch.compile(TreeCall(draft, staged=True), backend=self.draft_backend, fullgraph=True,
+                                             dynamic=False) for _ in range(tree.k - 1)]  # one per depth after the first
         self.commit = KVCommit(target)
         # A group of size 1 verifies a chain in place: there is nothing to commit, and a
         # captured commit would be an empty CUDA graph replayed (with its input copies) every step.

@@ -72,6 +72,12 @@ class TreeShape:
         return self.topk + (self.k - 1) * self.topk**2
 
     @property
+    def tree_slots(self) -> int:
+        """Draft cache slots the drafting keeps nodes in: the frontier of every depth
+        but the last (``runtime.tree_step``)."""
+        return (self.k - 1) * self.topk
+
+    @property
     def verify_tokens(self) -> int:
         """New tokens of a verify step (and staging slots it needs): the root and the nodes."""
         return self.draft_tokens + 1

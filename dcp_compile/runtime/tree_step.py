@@ -16,12 +16,15 @@
 
 How a depth attends.  The draft's cache holds the committed positions (below the root's
 position ``L``); a depth-``d`` frontier node must also see its ``d - 1`` ancestors,
-which sit at positions ``L..L+d-2`` beside their cousins.  So the depth-``d`` draft
-call carries each frontier node's whole path from depth 1, ``topk * d`` tokens, with a
-block-causal mask (each path sees only itself): the ancestors' keys are recomputed in
-the call's window rather than read from the cache, whose slots from ``L`` on the call
-overwrites and the next draft-extend overwrites again before anything reads them.  A
-depth reads the cache once, as a chain step does; it computes ``d`` times the tokens.
+which sit at positions ``L..L+d-2`` beside their cousins.  So every depth's frontier
+nodes keep their keys and values in the draft's tree slots (``prepare(...,
+tree_slots=(k - 1) * topk)``, past the cache's ``max_seq_len``; depth ``d``'s node ``i``
+at tree slot ``(d - 1) * topk + i``), and the depth-``d`` call brings only its ``topk``
+nodes, attending to the cache up to ``L``, to the tree slots of the earlier depths under
+an ancestor mask, and to itself (``TreeCall(draft, staged=True)``).  A depth reads the
+cache once and computes ``topk`` tokens, as a chain step computes one; the next
+draft-extend writes the accepted path to its owner slots, and the tree slots are
+rewritten by the next step's tree before anything reads them.
 
 Static shapes per ``TreeShape``: one verify graph, one draft graph per depth after the
 first, the chain's extend and commit; every mask is built on the device.
@@ -46,15 +49,6 @@ from dcp_compile.runtime.tree import (
 )
 
 
-def path_masks(topk: int, depth: int, batch: int, device) -> torch.Tensor:
-    """``[B, topk * depth, topk * depth]`` bool: ``topk`` paths of ``depth`` tokens side by
-    side, each token seeing the earlier tokens of its own path and itself."""
-    index = torch.arange(topk * depth, device=device)
-    path, step = index // depth, index % depth
-    mask = (path[:, None] == path[None, :]) & (step[None, :] <= step[:, None])
-    return mask.expand(batch, -1, -1).contiguous()
-
-
 class TreeStep:
     """Drafts, verifies, accepts and commits a tree; ``DeviceStep.step`` calls ``run``.
     ``graphs``: a ``SpecGraphs`` built with this shape (``tree_verify``, ``draft_tree``)."""
@@ -63,12 +57,11 @@ class TreeStep:
         self.graphs, self.shape, self.draft = graphs, shape, draft
         k, topk = shape.k, shape.topk
         self.steps = torch.arange(k + 1, device=device)
-        self.rows = torch.arange(max_batch, device=device)
-        # Per depth d (index d): the paths' positions past the root, mask, and last tokens.
-        self.path_steps = [None] + [torch.arange(d, device=device).repeat(topk) for d in range(1, k)]
-        self.masks = [None] + [path_masks(topk, d, max_batch, device) for d in range(1, k)]
-        self.path_ends = [None] + [(torch.arange(topk, device=device) * d + d - 1).expand(max_batch, topk)
-                                   for d in range(1, k)]
+        # A depth's nodes see themselves among the new tokens; their ancestors' tree
+        # slots are scattered in beside that, per depth (index d: the depth-d call).
+        self.own = torch.eye(topk, dtype=torch.bool, device=device).expand(max_batch, topk, topk)
+        self.earlier = [None] + [torch.zeros(max_batch, topk, (d - 1) * topk, dtype=torch.bool, device=device)
+                                 for d in range(1, k)]
 
     def draft_tree(self, length: torch.Tensor, q_logits: torch.Tensor, hidden: torch.Tensor) -> Tree:
         """The tree for rows whose root sits at ``length [B]``, from the draft's logits
@@ -78,22 +71,19 @@ class TreeStep:
         B, H = hidden.shape[0], hidden.shape[-1]
         level = expand(torch.zeros(B, 1, device=q_logits.device), torch.log_softmax(q_logits.float(), -1)[:, None], topk)
         levels = [level]
-        path_tokens = to_target(level.tokens.gather(1, level.frontier))[:, :, None]  # [B, topk, 1]
-        path_features = hidden.expand(B, topk, H)[:, :, None]  # [B, topk, 1, H]
+        features = hidden.expand(B, topk, H)  # each frontier node's parent's hidden state
+        path = self.earlier[1][:B].long()  # [B, topk, d - 1] the tree slots of each node's ancestors
         for d in range(1, shape.k):
-            positions = length[:, None] + self.path_steps[d]
-            logits, out = self.graphs.draft_tree[d - 1](path_tokens.reshape(B, topk * d), positions, self.masks[d],
-                                                 path_features.reshape(B, topk * d, H), self.path_ends[d])
+            tokens = to_target(level.tokens.gather(1, level.frontier))
+            positions = (length + (d - 1))[:, None].expand(B, topk)
+            ancestors = torch.cat([self.earlier[d][:B].scatter(2, path, True), self.own[:B]], dim=2)
+            logits, out = self.graphs.draft_tree[d - 1](tokens, positions, ancestors, length, features)
             scores = level.scores.gather(1, level.frontier)
             level = expand(scores, torch.log_softmax(logits.float(), -1), topk)
             levels.append(level)
-            parent = level.parents.gather(1, level.frontier)  # [B, topk]: which path each new frontier node extends
-            tokens = to_target(level.tokens.gather(1, level.frontier))
-            path_tokens = torch.cat([path_tokens.gather(1, parent[..., None].expand(B, topk, d)), tokens[..., None]], 2)
-            path_features = torch.cat([
-                path_features.gather(1, parent[..., None, None].expand(B, topk, d, H)),
-                out.gather(1, parent[..., None].expand(B, topk, H))[:, :, None],
-            ], dim=2)
+            parent = level.parents.gather(1, level.frontier)  # [B, topk]: which of this depth's nodes each extends
+            path = torch.cat([path.gather(1, parent[..., None].expand(B, topk, d - 1)), (parent + (d - 1) * topk)[..., None]], 2)
+            features = out.gather(1, parent[..., None].expand(B, topk, H))
         tree = select(shape, levels)
         return replace(tree, tokens=to_target(tree.tokens))
 
