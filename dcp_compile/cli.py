@@ -28,7 +28,8 @@ K_HELP = "the draft depth: draft forwards per verify step, and the most draft to
 TOPK_HELP = ("EAGLE-2 dynamic tree: children per expanded node, and frontier nodes expanded at every depth after the "
              "first (default 1; --topk 1 with --draft-tokens equal to --k is the chain)")
 DRAFT_TOKENS_HELP = ("EAGLE-2 dynamic tree: the nodes the target verifies per step, the best by cumulative draft "
-                     "log-prob, from --k up to topk + (k - 1) * topk**2 (default: --k, the chain)")
+                     "log-prob, from --k up to topk + (k - 1) * topk**2 (default: --k for the chain, 16 for a tree, "
+                     "held within those bounds)")
 
 
 def _add_tree_arguments(parser: argparse.ArgumentParser, k_default: int) -> None:
@@ -41,7 +42,8 @@ def _add_tree_arguments(parser: argparse.ArgumentParser, k_default: int) -> None
 
 def _check_tree(parser: argparse.ArgumentParser, args: argparse.Namespace, drafted: bool) -> None:
     """``--topk`` and ``--draft-tokens`` against ``--k``, refused as usage errors (exit 2)
-    before anything is built; unset, they are the chain's (1 and ``--k``).  ``drafted``:
+    before anything is built; unset, ``--topk`` is 1 (the chain) and ``--draft-tokens``
+    ``default_draft_tokens`` (``--k`` for the chain, 16 for a tree).  ``drafted``:
     the model has a draft (``--k 0`` asks for none)."""
     given = " and ".join(flag for flag, value in (("--topk", args.topk), ("--draft-tokens", args.draft_tokens))
                          if value is not None)
@@ -52,7 +54,10 @@ def _check_tree(parser: argparse.ArgumentParser, args: argparse.Namespace, draft
         parser.error(f"{given} given, but --model {args.model!r} has no draft (one token per step) and a draft tree "
                      f"needs one: pass --draft DIR or drop {given}")
     args.topk = 1 if args.topk is None else args.topk
-    args.draft_tokens = args.k if args.draft_tokens is None else args.draft_tokens
+    if args.draft_tokens is None:
+        from dcp_compile.runtime.tree import default_draft_tokens
+
+        args.draft_tokens = default_draft_tokens(args.k, args.topk) if args.k > 0 else args.k
     if not drafted or args.k == 0:
         return
     from dcp_compile.runtime.tree import TreeShape

@@ -324,6 +324,7 @@ def measure_acceptance(
     tokenizer)."""
     import dcp_compile as dcp
     from dcp_compile import loading
+    from dcp_compile.runtime.tree import default_draft_tokens
 
     spec = model if isinstance(model, loading.ModelSpec) else loading.resolve(str(model))
     device = torch.device(device)
@@ -332,7 +333,7 @@ def measure_acceptance(
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
     target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
     group = dcp.DCPGroup(1, 0, device, None)
-    draft_tokens = k if draft_tokens is None else draft_tokens
+    draft_tokens = default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens
     decoder = dcp.SpecDecoder(target, draft, group, k=k, topk=topk, draft_tokens=draft_tokens, max_batch=batch,
                               max_seq_len=max_seq_len, lowering=lowering)
     accepted = []

@@ -69,6 +69,11 @@ def test_a_tree_shape_no_tree_has_is_a_usage_error(command, case, capsys):
     assert message in err, err
 
 
+def test_a_tree_without_draft_tokens_verifies_the_default_nodes(capsys):
+    assert main(["plan", "--k", "6", "--topk", "4", "--gpu-gib", "80"]) == 0
+    assert "tree k=6 topk=4 draft_tokens=16" in capsys.readouterr().out
+
+
 def test_eval_of_a_tree_names_its_shape_and_accepts_within_the_depth(capsys):
     assert main(["eval", "--k", "4", "--topk", "2", "--draft-tokens", "6", "--prompts", "2",
                  "--max-new-tokens", "16", "--lowering", "aot_eager"]) == 0

@@ -46,7 +46,7 @@ from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import Noise, accept_chain, probs_at, row_temperatures, sample_from
-from dcp_compile.runtime.tree import TreeShape
+from dcp_compile.runtime.tree import TreeShape, default_draft_tokens
 from dcp_compile.runtime.tree_step import TreeStep
 
 
@@ -336,8 +336,8 @@ class SpecDecoder:
     ``topk`` and ``draft_tokens``: an EAGLE-2 dynamic tree (``runtime.tree_step``): every
     depth expands the best ``topk`` frontier nodes by their ``topk`` likeliest tokens, and
     the target verifies the best ``draft_tokens`` nodes by cumulative draft log-prob
-    (at most ``topk + (k - 1) * topk**2``).  ``topk=1, draft_tokens=k`` (the default)
-    is the chain.  ``tree``: ``None`` picks the tree path for a tree shape; ``True``
+    (at most ``topk + (k - 1) * topk**2``; unset, ``k`` for ``topk=1`` and 16 for a
+    tree, ``runtime.tree.TREE_DRAFT_TOKENS``).  ``topk=1`` (the default) is the chain.  ``tree``: ``None`` picks the tree path for a tree shape; ``True``
     runs a chain shape through the tree's graphs too (to compare the two paths).
 
     ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
@@ -425,7 +425,7 @@ class SpecDecoder:
             return None
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (the draft depth: draft tokens per step for a chain) must be an int >= 1, got {k!r}")
-        shape = TreeShape(k, topk, k if draft_tokens is None else draft_tokens)  # refuses a shape no tree has
+        shape = TreeShape(k, topk, default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens)  # refuses a shape no tree has
         chain = topk == 1 and shape.draft_tokens == k
         if tree is False and not chain:
             raise ValueError(f"tree=False asks for a chain, but topk={topk} and draft_tokens={shape.draft_tokens} "

@@ -32,6 +32,22 @@ import torch
 from dcp_compile.runtime.sampling import Noise, probs_at, row_temperatures
 
 
+TREE_DRAFT_TOKENS = 16
+"""The nodes a tree verifies when the caller names only ``topk``: on the shipped pair
+(BENCHMARKS.md, "Accept length of EAGLE-2 trees") 16 nodes at topk 4 are the narrowest
+verify that gains 20% over the chain of the same depth, and on one H200 a 17-token verify
+costs 1.05-1.27x the chain's 4 (8 layers of the 8B shape, batch 1 and 8, 8K-128K)."""
+
+
+def default_draft_tokens(k: int, topk: int) -> int:
+    """``draft_tokens`` when it is not given: ``k`` for the chain (``topk=1``), else
+    ``TREE_DRAFT_TOKENS`` held between ``k`` and what the tree holds (a ``topk`` below 1
+    gets ``k`` too, for ``TreeShape`` to refuse by name)."""
+    if topk <= 1:
+        return k
+    return min(max(TREE_DRAFT_TOKENS, k), topk + (k - 1) * topk**2)
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """The static shape of a draft tree; ``TreeShape(k, 1, k)`` is the chain of ``k``."""

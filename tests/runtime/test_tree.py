@@ -12,6 +12,7 @@ from dcp_compile.runtime.tree import (
     Accepted,
     TreeDraws,
     TreeShape,
+    default_draft_tokens,
     accept_greedy,
     accept_sampled,
     commit_slots,
@@ -76,6 +77,17 @@ def test_shape_refuses(k, topk, draft_tokens, match):
 def test_shape_refuses_non_int():
     with pytest.raises(TypeError, match="must be an int"):
         TreeShape(3, 2.0, 4)
+
+
+@pytest.mark.parametrize("k, topk, expected", [
+    (4, 1, 4),     # the chain verifies its k drafts
+    (6, 4, 16),    # a tree verifies TREE_DRAFT_TOKENS nodes
+    (2, 2, 6),     # ... or all it holds: 2 + 1 * 4
+    (20, 2, 20),   # ... and never fewer than its depth
+])
+def test_default_draft_tokens(k, topk, expected):
+    assert default_draft_tokens(k, topk) == expected
+    TreeShape(k, topk, expected)  # always a shape the tree holds
 
 
 def test_shape_limits():
