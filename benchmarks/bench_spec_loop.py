@@ -1,18 +1,28 @@
-"""The speculative loop's cost against its captured graphs: greedy and sampled, per batch.
+"""The speculative loop's cost against its captured step: greedy and sampled, per batch,
+the whole step in one graph against its calls captured one by one.
 
     python3 benchmarks/bench_spec_loop.py --out $OUT/spec_loop.json            # one GPU, 8B-shaped target
     python3 benchmarks/bench_spec_loop.py --small --device cpu                  # the script itself, on CPU
 
 One GPU (a group of one), ``SpecDecoder(cuda_graphs=True)``, a Llama-3-8B-shaped target
 (32 layers, vocabulary 128,256, random weights, bf16) with an EAGLE3 draft (draft
-vocabulary 32,768), k=3, 64-token prompts.  Per batch size and temperature:
+vocabulary 32,768), k=3, 64-token prompts.  One decoder per batch size serves both arms:
 
-- **loop**: seconds per verify step of the whole ``generate()`` loop, from two runs of
+- **one graph** (``step_graph``, the default): every verify step is one CUDA graph replay
+  (``runtime.step_graph``);
+- **calls**: the same decoder with its step graph set aside, so each step replays the
+  per-call graphs (verify, commit, draft extend, ``k - 1`` draft steps) with the
+  proposals, acceptance and sampling run uncaptured between them.
+
+Per batch size and temperature (arms interleaved):
+
+- **loop**: milliseconds per verify step of the whole ``generate()`` loop, from two runs of
   different lengths (their difference removes the prefill), medians of ``--reps``;
-- **graphs**: the captured graphs alone, replayed back to back with CUDA events: verify +
-  commit + draft extend + ``k - 1`` draft steps, the graphs one step replays;
-- **ratio** loop / graphs: what the host adds (sampling, acceptance, bookkeeping, the
-  one device-to-host copy of the step's tokens).
+- **step graph**: the one-graph step's replay alone, CUDA events, median of ``--graph-reps``;
+- **graphs**: the per-call graphs alone, replayed back to back: their sum is what a
+  step of the calls arm replays;
+- **ratios**: loop / step graph (what the host adds to the one-graph step), sampled /
+  greedy.
 
 Random weights accept almost nothing, so every step emits one token per row: the step
 count is the token count, the same for every temperature, and the step's work does not
@@ -78,6 +88,11 @@ def loop_seconds_per_step(decoder, prompts, short: int, long: int, reps: int, de
     return per_step, steps
 
 
+def step_graph_ms(step_graph, sampling: bool, reps: int) -> float:
+    """The one-graph step's replay alone (the batch's shared generator, no seeded row)."""
+    return median_ms(step_graph.steps[(sampling, False)].graph.replay, reps)
+
+
 def measure(batch: int, args, device) -> dict:
     base = SMALL if args.small else llama3_8b_shape()
     max_seq_len = args.prompt_len + args.new + 2 * (args.k + 1)
@@ -91,23 +106,45 @@ def measure(batch: int, args, device) -> dict:
     graphs = device.type == "cuda"
     log(f"batch {batch}: building the decoder (compiles on first use)")
     decoder = dcp.SpecDecoder(target, draft, single, k=args.k, max_batch=batch, max_seq_len=max_seq_len,
-                              cuda_graphs=graphs, lowering="inductor" if graphs else "aot_eager")
+                              cuda_graphs=graphs, step_graph=True, lowering="inductor" if graphs else "aot_eager")
+    whole = decoder.device_step.step_graph
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
     point = dict(batch=batch, k=args.k, prompt_len=args.prompt_len, vocab=cfg.vocab_size, layers=cfg.n_layers)
     for temperature in args.temperatures:
         decoder.temperature = temperature
-        per_step, steps = loop_seconds_per_step(decoder, prompts, args.new // 4, args.new, args.reps, device)
-        point[f"loop_ms_t{temperature}"] = per_step * 1e3
-        point[f"steps_t{temperature}"] = steps
-        log(f"batch {batch} temperature {temperature}: loop {per_step * 1e3:.2f} ms per step ({steps} steps)")
+        for arm in ARMS:
+            decoder.device_step.step_graph = whole if arm == "one_graph" else None
+            per_step, steps = loop_seconds_per_step(decoder, prompts, args.new // 4, args.new, args.reps, device)
+            point[f"loop_ms_{arm}_t{temperature}"] = per_step * 1e3
+            point[f"steps_t{temperature}"] = steps
+            log(f"batch {batch} temperature {temperature} {arm}: loop {per_step * 1e3:.3f} ms per step ({steps} steps)")
+    decoder.device_step.step_graph = whole
     if graphs:
         point["graphs_ms"] = graph_times(decoder, args.k, args.graph_reps)
-        total = point["graphs_ms"]["step_sum"]
         for temperature in args.temperatures:
-            point[f"ratio_t{temperature}"] = point[f"loop_ms_t{temperature}"] / total
-        log(f"batch {batch}: graphs {point['graphs_ms']}")
+            t = f"t{temperature}"
+            point[f"step_graph_ms_{t}"] = step_graph_ms(whole, temperature > 0, args.graph_reps)
+            point[f"ratio_loop_to_step_graph_{t}"] = point[f"loop_ms_one_graph_{t}"] / point[f"step_graph_ms_{t}"]
+            point[f"ratio_calls_loop_to_graphs_{t}"] = point[f"loop_ms_calls_{t}"] / point["graphs_ms"]["step_sum"]
+        log(f"batch {batch}: {point}")
     return point
+
+
+ARMS = ("one_graph", "calls")
+
+
+def print_table(points: list[dict], temperatures) -> None:
+    print("| batch | temperature | step graph ms | loop, one graph ms | loop / step graph | loop, calls ms | "
+          "calls / one graph |")
+    print("|---|---|---|---|---|---|---|")
+    for p in points:
+        for temperature in temperatures:
+            t = f"t{temperature}"
+            graph = p.get(f"step_graph_ms_{t}", float("nan"))
+            one, calls = p[f"loop_ms_one_graph_{t}"], p[f"loop_ms_calls_{t}"]
+            print(f"| {p['batch']} | {temperature} | {graph:.3f} | {one:.3f} | {one / graph:.3f} | {calls:.3f} | "
+                  f"{calls / one:.3f} |")
 
 
 def main() -> None:
@@ -137,6 +174,7 @@ def main() -> None:
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print_table(points, args.temperatures)
     report(dict(env=env, points=points), args.out)
     leave()
 

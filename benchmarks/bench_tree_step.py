@@ -11,9 +11,11 @@ One GPU (a group of one), ``SpecDecoder(cuda_graphs=True)``: a Llama-3-8B-shaped
 - the rows' caches hold random K/V and every row's root sits at the context, so each
   step reads the context once per layer whatever the weights accept; the step then
   repeats from the same state (its writes land past the context);
-- **step**: median milliseconds of ``DeviceStep.step``, CUDA events around it: the
-  draft's graphs and the tree's construction between them, the verify graph, the
-  acceptance, the commit and the draft-extend;
+- **step**: median milliseconds of ``DeviceStep.step``, CUDA events around it, the whole
+  step in one graph (``runtime.step_graph``): the draft's depths and the tree's
+  construction between them, the verify, the acceptance, the commit and the
+  draft-extend; **step, calls**: the same with each call captured on its own and the
+  glue between them run from the host (``step_graph`` set aside);
 - **verify** and **draft** (the extend and every draft step or tree depth): the captured
   graphs alone, replayed back to back;
 - **tokens/s** expected: ``batch * accept length / step``, the accept length given per
@@ -105,9 +107,13 @@ def measure(batch: int, shape, contexts, args, device) -> list[dict]:
     with torch.no_grad():
         for context in contexts:
             state = state_at(context, decoder, target, draft, device)
+            whole = decoder.device_step.step_graph
             step = median_ms(lambda: decoder.device_step.step(state, noise), args.reps, warmup=3, cuda=cuda)
+            decoder.device_step.step_graph = None  # the calls arm: each call's graph, the glue uncaptured
+            calls = median_ms(lambda: decoder.device_step.step(state, noise), args.reps, warmup=3, cuda=cuda)
+            decoder.device_step.step_graph = whole
             row = dict(batch=batch, k=k, topk=topk, draft_tokens=nodes, context=context, layers=cfg.n_layers,
-                       step_ms=step)
+                       step_ms=step, step_calls_ms=calls)
             if cuda:
                 row.update({f"{name}_ms": ms for name, ms in graph_ms(decoder, args.reps).items()})
             accept = args.accept.get(shape)
@@ -124,12 +130,13 @@ def measure(batch: int, shape, contexts, args, device) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| batch | context | k,topk,nodes | verify ms | draft ms | step ms | accept | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | context | k,topk,nodes | verify ms | draft ms | step ms | step, calls ms | accept | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [r["batch"], r["context"], f"{r['k']},{r['topk']},{r['draft_tokens']}",
                  f"{r.get('verify_ms', float('nan')):.3f}", f"{r.get('draft_ms', float('nan')):.3f}",
-                 f"{r['step_ms']:.3f}", r.get("accept_length", "-"), f"{r.get('tokens_per_s', float('nan')):.0f}"]
+                 f"{r['step_ms']:.3f}", f"{r['step_calls_ms']:.3f}", r.get("accept_length", "-"),
+                 f"{r.get('tokens_per_s', float('nan')):.0f}"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 

@@ -154,7 +154,7 @@ class SpecEngine:
         self.is_leader = self.group.rank == 0 or not self.leader
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
         self.vocab = decoder.target.vocab_size
-        self.noise = Noise(self.device, decoder.seed)
+        self.noise = Noise(self.device, decoder.seed, rows=decoder.max_batch)
         self.state: StepState | None = None
         self.rows: list[_Request | None] = [None] * self.B
         self.waiting: deque[_Request] = deque()

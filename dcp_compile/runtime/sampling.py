@@ -21,31 +21,53 @@ class Noise:
     """The sampler's random numbers, on the device.  One generator, seeded alike on every
     rank, serves the batch; a request with its own ``seed`` draws its row from a generator
     of its own, so its tokens depend on its seed alone, not on the requests it shares a
-    batch with.  Every rank makes the same draws, so ranks agree without communicating."""
+    batch with.  Every rank makes the same draws, so ranks agree without communicating.
 
-    def __init__(self, device: torch.device, seed: int):
-        self.device = device
-        self.shared = torch.Generator(device=device).manual_seed(seed)
-        self.rows: dict[int, torch.Generator] = {}
+    ``rows``: the batch's rows, each with a generator of its own made once and reseeded
+    by ``seed_row``, so that a captured step (``runtime.step_graph``), which holds the
+    generators it was captured with, sees a new request's seed.  While any row is seeded,
+    every draw takes each row's numbers from its own generator too and keeps them where
+    the row is seeded (``seeded``, a device mask): the same kernels whichever rows are
+    seeded, and a seeded row's numbers are those its generator alone would give."""
+
+    def __init__(self, device: torch.device, seed: int, rows: int = 0):
+        self.device = torch.device(device)
+        self.shared = torch.Generator(device=self.device).manual_seed(seed)
+        self.row_generators = [torch.Generator(device=self.device) for _ in range(rows)]
+        self.seeded = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self.rows: set[int] = set()
+        """The rows seeded now (the host's view of ``seeded``)."""
 
     def seed_row(self, row: int, seed: int | None) -> None:
+        if not 0 <= row < len(self.row_generators):
+            raise ValueError(f"Noise: row {row} is outside the {len(self.row_generators)} rows it was made for "
+                             f"(Noise(device, seed, rows=max_batch))")
         if seed is None:
-            self.rows.pop(row, None)
+            self.rows.discard(row)
         else:
-            self.rows[row] = torch.Generator(device=self.device).manual_seed(seed)
+            self.row_generators[row].manual_seed(seed)
+            self.rows.add(row)
+        self.seeded[row] = seed is not None
+
+    def _per_row(self, shared: torch.Tensor, draw) -> torch.Tensor:
+        """``shared [B, ...]`` with each seeded row's draws from its own generator
+        (``draw(generator) -> [...]``, one row's worth)."""
+        if not self.rows:
+            return shared
+        B = shared.shape[0]
+        if B > len(self.row_generators):
+            raise ValueError(f"Noise: a draw for {B} rows, but it holds generators for {len(self.row_generators)}")
+        own = torch.stack([draw(generator) for generator in self.row_generators[:B]])
+        return torch.where(self.seeded[:B].view(B, *([1] * (shared.dim() - 1))), own, shared)
 
     def exponential(self, like: torch.Tensor) -> torch.Tensor:
         """Exponential(1) draws shaped as ``like [B, ...]``, row ``b`` from its own generator."""
         draws = torch.empty_like(like).exponential_(1.0, generator=self.shared)
-        for row, generator in self.rows.items():
-            draws[row].exponential_(1.0, generator=generator)
-        return draws
+        return self._per_row(draws, lambda g: torch.empty_like(like[0]).exponential_(1.0, generator=g))
 
     def uniform(self, *shape: int) -> torch.Tensor:
         draws = torch.rand(*shape, generator=self.shared, device=self.device)
-        for row, generator in self.rows.items():
-            draws[row] = torch.rand(*shape[1:], generator=generator, device=self.device)
-        return draws
+        return self._per_row(draws, lambda g: torch.rand(*shape[1:], generator=g, device=self.device))
 
 
 def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> torch.Tensor:

@@ -32,9 +32,9 @@ protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -71,11 +71,24 @@ class SpecDraft(Protocol):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
 
+class StepParts(NamedTuple):
+    """The compiled calls one speculative step makes (``None``: not in this decoder)."""
+
+    target_verify: Callable
+    commit_c: Callable | None
+    draft_step: Callable | None
+    """The draft's extend and chain step (one compiled callable, a graph per width)."""
+    draft_tree: list | None
+    """A tree's draft depths after the first, one callable each."""
+
+
 class SpecGraphs:
     """Prepares the target (sharded) and the draft (whole) and compiles the step graphs,
     each with its role fixed: target prefill chunk and verify, the commit, the draft's
     chunk, extend and step; with ``cuda_graphs`` the per-step calls are captured once per
-    shape.  Its arguments must have been checked: ``prepare`` changes the models for good."""
+    shape (``parts``), and ``compiled`` keeps them uncaptured for a capture of the whole
+    step (``runtime.step_graph``).  Its arguments must have been checked: ``prepare``
+    changes the models for good."""
 
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
                  comm: str, cuda_graphs: bool, tree: TreeShape | None = None):
@@ -117,10 +130,12 @@ class SpecGraphs:
         # shapes; prefill chunks stay uncaptured.
         self.graph_runners: list = []
         self.draft_step = self.draft_forward
+        self.compiled = self.parts
+        self.pool = None
         if cuda_graphs:
             from dcp_compile.runtime.cuda_graphs import GraphRunner
 
-            pool = torch.cuda.graph_pool_handle()
+            pool = self.pool = torch.cuda.graph_pool_handle()
             self.target_verify = GraphRunner(self.target_verify, pool=pool)
             if self.draft_forward is not None:
                 self.draft_step = GraphRunner(self.draft_forward, pool=pool)
@@ -130,6 +145,11 @@ class SpecGraphs:
                 self.commit_c = GraphRunner(self.commit_c, pool=pool)
             self.graph_runners = [r for r in (self.target_verify, self.commit_c, self.draft_step, *(self.draft_tree or ()))
                                   if r is not None]
+
+    @property
+    def parts(self) -> StepParts:
+        """The step's calls as a step makes them: captured one by one under ``cuda_graphs``."""
+        return StepParts(self.target_verify, self.commit_c, self.draft_step, self.draft_tree)
 
 
 @dataclass
@@ -169,8 +189,9 @@ class DeviceStep:
         self.rows = torch.arange(max_batch, device=self.device)
         self.steps = torch.arange(k + 1, device=self.device)
         self.verify_steps = 0
-        self.tree = None if tree is None else TreeStep(graphs, tree, draft=draft, max_batch=max_batch,
-                                                       device=self.device)
+        self.tree = None if tree is None else TreeStep(tree, draft=draft, max_batch=max_batch, device=self.device)
+        self.step_graph = None
+        """``runtime.step_graph.StepGraph`` over ``run_step`` and the uncaptured parts, or ``None``."""
 
     def check_ranks_agree(self, step: int, logits: torch.Tensor, *decisions: torch.Tensor) -> None:
         checksum = torch.cat([logits.double().sum(-1).flatten(), *(d.double().flatten() for d in decisions)])
@@ -270,15 +291,25 @@ class DeviceStep:
 
     def step(self, state: StepState, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft, verify, accept, commit and draft-extend once.  Returns ``(new_tokens [B,
-        k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``.
-        ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``."""
-        g, k, rows, steps = self.graphs, self.k, self.rows, self.steps
+        k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``,
+        valid until the next step (a captured step returns its own buffers).
+        ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``.
+
+        With a ``step_graph`` the whole step is one replay; without one the calls are
+        made one by one, captured or not."""
         self.verify_steps += 1
+        if self.step_graph is not None:
+            return self.step_graph(state, noise)
+        return self.run_step(state, noise, self.graphs.parts)
+
+    def run_step(self, state: StepState, noise: Noise, parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's work through ``parts``, with no host sync (but the rank check's)."""
+        g, k, rows, steps = parts, self.k, self.rows, self.steps
         if self.draft is None:
-            return self._plain_step(state, noise)
+            return self._plain_step(state, noise, parts)
         if self.tree is not None:
             check = (lambda *a: self.check_ranks_agree(self.verify_steps, *a)) if self.check_ranks else None
-            return self.tree.run(state, noise, check)
+            return self.tree.run(state, noise, parts, check)
         q_logits, hidden = state.q_logits, state.hidden
         drafts, draft_probs = [], []
         for j in range(k):
@@ -307,15 +338,16 @@ class DeviceStep:
         state.q_logits, state.hidden = extend_logits[:, 0], extend_hidden
         return new_tokens, accepted, bonus
 
-    def _plain_step(self, state: StepState, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plain_step(self, state: StepState, noise: Noise,
+                    parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """No draft: the target decodes ``current`` at ``length`` and chooses the next token."""
-        logits, _ = self._target(self.graphs.target_verify, state.current[:, None], state.length[:, None])
+        logits, _ = self._target(parts.target_verify, state.current[:, None], state.length[:, None])
         bonus = self.choose(logits[:, 0], state.temperature, state.sampling, noise)
         accepted = torch.zeros_like(bonus)
         if self.check_ranks:
             self.check_ranks_agree(self.verify_steps, logits, bonus)
-        if self.graphs.commit_c is not None:
-            self.graphs.commit_c(state.length, state.active.long())
+        if parts.commit_c is not None:
+            parts.commit_c(state.length, state.active.long())
         return bonus[:, None], accepted, bonus
 
     def advance(self, state: StepState, accepted: torch.Tensor, bonus: torch.Tensor, live: list[bool]) -> None:
@@ -345,8 +377,11 @@ class SpecDecoder:
     decoding without speculation, one token per step through the same engine (the
     target needs no features then).
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
-    ``dcp.backend``).  ``cuda_graphs``: capture the per-step calls (verify, commit, draft
-    extend and step) in CUDA graphs once per shape and replay them.  ``check_ranks``: after
+    ``dcp.backend``).  ``cuda_graphs``: capture the step in CUDA graphs once per shape
+    and replay it: with ``step_graph`` (the default then) the whole step is one graph
+    (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
+    draft extend and step or depths) one by one, the glue between them uncaptured.  On a CPU group ``step_graph=True``
+    runs the step over the same static buffers, uncaptured.  ``check_ranks``: after
     the prefill and every verify, compare a checksum of the merged logits and the accept
     decisions across ranks (one small eager all-gather per step) and raise on the first
     difference; a debugging aid, since ranks that disagree would otherwise run different
@@ -374,6 +409,7 @@ class SpecDecoder:
         lowering: str = "inductor",
         comm: str = "ag",
         cuda_graphs: bool = False,
+        step_graph: bool | None = None,
         check_ranks: bool = False,
         chunk_size: int | None = None,
     ):
@@ -386,6 +422,11 @@ class SpecDecoder:
             self._check_pair(target, draft)
         if cuda_graphs and group.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
+        if step_graph and check_ranks:
+            raise ValueError("step_graph=True and check_ranks=True: the rank check compares every step's decisions on "
+                             "the host, inside the step a graph would hold; pass one of the two (check_ranks with "
+                             "step_graph=None runs the calls one by one)")
+        step_graph = cuda_graphs and not check_ranks if step_graph is None else step_graph
         # Every argument is checked above: nothing below may fail on one, since prepare
         # changes the models for good.
         self.target, self.draft, self.group = target, draft, group
@@ -405,6 +446,13 @@ class SpecDecoder:
                                       chunk_size=chunk_size, check_ranks=check_ranks,
                                       target_vocab=target.vocab_size, draft=draft,
                                       target_features=target.feature_width > 0, tree=shape)
+        if step_graph:
+            from dcp_compile.runtime.step_graph import StepGraph
+
+            run = self.device_step.run_step
+            self.device_step.step_graph = StepGraph(lambda state, noise: run(state, noise, graphs.compiled),
+                                                    capture=cuda_graphs, pool=graphs.pool)
+            self.graph_runners = [self.device_step.step_graph, *graphs.graph_runners]
 
     @property
     def graph_count(self) -> int:

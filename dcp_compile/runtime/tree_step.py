@@ -50,11 +50,12 @@ from dcp_compile.runtime.tree import (
 
 
 class TreeStep:
-    """Drafts, verifies, accepts and commits a tree; ``DeviceStep.step`` calls ``run``.
-    ``graphs``: a ``SpecGraphs`` built with this shape (``tree_verify``, ``draft_tree``)."""
+    """Drafts, verifies, accepts and commits a tree; ``DeviceStep.run_step`` calls ``run``
+    with the step's ``parts`` (a ``spec.StepParts`` built with this shape: the tree's
+    verify and ``draft_tree``)."""
 
-    def __init__(self, graphs, shape: TreeShape, *, draft, max_batch: int, device):
-        self.graphs, self.shape, self.draft = graphs, shape, draft
+    def __init__(self, shape: TreeShape, *, draft, max_batch: int, device):
+        self.shape, self.draft = shape, draft
         k, topk = shape.k, shape.topk
         self.steps = torch.arange(k + 1, device=device)
         # A depth's nodes see themselves among the new tokens; their ancestors' tree
@@ -63,10 +64,10 @@ class TreeStep:
         self.earlier = [None] + [torch.zeros(max_batch, topk, (d - 1) * topk, dtype=torch.bool, device=device)
                                  for d in range(1, k)]
 
-    def draft_tree(self, length: torch.Tensor, q_logits: torch.Tensor, hidden: torch.Tensor) -> Tree:
+    def draft_tree(self, draft_tree: list, length: torch.Tensor, q_logits: torch.Tensor, hidden: torch.Tensor) -> Tree:
         """The tree for rows whose root sits at ``length [B]``, from the draft's logits
         ``q_logits [B, V_draft]`` after the root and the hidden state ``hidden [B, 1, H]``
-        they came with; its tokens are target ids."""
+        they came with, through ``draft_tree`` (the depths' calls); its tokens are target ids."""
         shape, topk, to_target = self.shape, self.shape.topk, self.draft.to_target_ids
         B, H = hidden.shape[0], hidden.shape[-1]
         level = expand(torch.zeros(B, 1, device=q_logits.device), torch.log_softmax(q_logits.float(), -1)[:, None], topk)
@@ -77,7 +78,7 @@ class TreeStep:
             tokens = to_target(level.tokens.gather(1, level.frontier))
             positions = (length + (d - 1))[:, None].expand(B, topk)
             ancestors = torch.cat([self.earlier[d][:B].scatter(2, path, True), self.own[:B]], dim=2)
-            logits, out = self.graphs.draft_tree[d - 1](tokens, positions, ancestors, length, features)
+            logits, out = draft_tree[d - 1](tokens, positions, ancestors, length, features)
             scores = level.scores.gather(1, level.frontier)
             level = expand(scores, torch.log_softmax(logits.float(), -1), topk)
             levels.append(level)
@@ -87,11 +88,11 @@ class TreeStep:
         tree = select(shape, levels)
         return replace(tree, tokens=to_target(tree.tokens))
 
-    def run(self, state, noise: Noise, check=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, state, noise: Noise, parts, check=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(new_tokens [B, k+1], accepted [B], bonus [B])`` as ``DeviceStep.step``
         returns them; ``check(logits, *decisions)``: the rank check, if any."""
-        g = self.graphs
-        tree = self.draft_tree(state.length, state.q_logits, state.hidden)
+        g = parts
+        tree = self.draft_tree(parts.draft_tree, state.length, state.q_logits, state.hidden)
         tokens = torch.cat([state.current[:, None], tree.tokens], dim=1)
         logits, features = g.target_verify(tokens, tree.positions(state.length), tree.ancestors)
         accepted = (accept_sampled(tree, logits, state.temperature, noise) if state.sampling

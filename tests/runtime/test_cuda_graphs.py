@@ -1,4 +1,5 @@
-"""CUDA-graph replay of the per-step calls: no recompile, no recapture, same tokens."""
+"""CUDA-graph replay of the speculative step (one graph per step, or its calls captured one
+by one): no recompile, no recapture, same tokens."""
 
 import pytest
 import torch
@@ -10,11 +11,11 @@ from dcp_compile.runtime.spec import SpecDecoder
 PROMPTS = [list(b"def f(x):\n"), list(b"import os\n\n\ndef walk(root):\n")]
 
 
-def decoder(device, cuda_graphs):
+def decoder(device, cuda_graphs, step_graph=None):
     target, draft = load_pair("tiny-code", max_batch=2, max_seq_len=96, device=device,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     return SpecDecoder(target, draft, dcp.DCPGroup(1, 0, device, None), k=4, max_batch=2, max_seq_len=96,
-                       cuda_graphs=cuda_graphs, lowering="inductor")
+                       cuda_graphs=cuda_graphs, step_graph=step_graph, lowering="inductor")
 
 
 def test_cuda_graphs_need_a_cuda_device():
@@ -23,18 +24,22 @@ def test_cuda_graphs_need_a_cuda_device():
 
 
 @pytest.mark.gpu
-def test_steady_state_neither_recompiles_nor_recaptures():
+@pytest.mark.parametrize("step_graph", [True, False], ids=["one-graph", "calls"])
+def test_steady_state_neither_recompiles_nor_recaptures(step_graph):
     from torch._dynamo.utils import counters
 
     device = torch.device("cuda", 0)
-    graphed = decoder(device, True)
+    graphed = decoder(device, True, step_graph)
     first = dcp.generate_all(graphed, PROMPTS, 40)
     compiles, captures = counters["stats"]["unique_graphs"], [r.captures for r in graphed.graph_runners]
-    assert captures == [1, 2], "verify, and the draft's extend and step shapes (one GPU: no commit to capture)"
+    if step_graph:  # the step (greedy: one graph), then the calls' runners, never used
+        assert captures == [1, 0, 0], captures
+    else:
+        assert captures == [1, 2], "verify, and the draft's extend and step shapes (one GPU: no commit to capture)"
     second = dcp.generate_all(graphed, PROMPTS, 40)
     assert counters["stats"]["unique_graphs"] == compiles, "the second generation compiled a graph"
     assert [r.captures for r in graphed.graph_runners] == captures, "the second generation recaptured"
-    assert all(r.replays > 0 for r in graphed.graph_runners)
+    assert all(r.replays > 0 for r, n in zip(graphed.graph_runners, captures) if n)
     assert [o.tokens for o in second] == [o.tokens for o in first]
     plain = dcp.generate_all(decoder(device, False), PROMPTS, 40)
     assert [o.tokens for o in plain] == [o.tokens for o in first]

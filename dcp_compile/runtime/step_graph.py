@@ -1,0 +1,139 @@
+"""The whole speculative step as one CUDA graph.
+
+Captured one call at a time (``cuda_graphs.GraphRunner``), a step still runs its glue as
+uncaptured kernels launched from the host between the graphs: the chain's proposals, a
+tree's expansion and selection, the acceptance and the sampler, a dozen small kernels per
+draft depth.  At batch 1 that host work costs as much as the verify itself (BENCHMARKS.md).
+``StepGraph`` captures the step whole instead: the draft (chain or tree), the verify, the
+acceptance (greedy and sampled), the commit and the draft's extend, over the compiled
+graphs uncaptured (``SpecGraphs.compiled``), in one graph per value of the host's
+``sampling`` flag (and whether any row is seeded).  A step is then a handful of input copies, one replay and the caller's
+one read of the emitted tokens.
+
+What the graph holds fixed, and who changes it:
+
+- **Inputs** are static buffers: the state's ``length``, ``current``, ``q_logits``,
+  ``hidden``, ``active`` and ``temperature`` are copied in before each replay, so rows
+  that join, finish or are aborted change inputs, never the graph.  The draft's next
+  ``q_logits`` and ``hidden`` are written back into their own input buffers inside the
+  graph, and the state points at them after the step: the next step copies nothing there.
+- **Random numbers** come from the batch's generator (``Noise.shared``) and, while any
+  row is seeded, from every row's own generator (``Noise.row_generators``, reseeded in
+  place for each request), all registered with the graph: each replay advances them as
+  the uncaptured step would and draws the same numbers.  Which rows are seeded is a
+  device mask the graph reads, so one graph serves every mix of seeded rows.
+- **Outputs** (``new_tokens``, ``accepted``, ``bonus``) are the graph's own buffers, valid
+  until the next replay; nothing is cloned.
+
+Capture: two warm-up steps on a side stream (Inductor's first calls and the
+communicators' set-up cannot be captured) with the generator's state put back after
+them, so the captured step draws what an uncaptured one would.  A warm-up step repeats
+the step's own writes (the same KV slots with the same values), so it changes nothing.
+
+On a CPU group (``capture=False``) the same object runs the step over the same static
+buffers without a graph: what the CPU tests check of the buffers, the write-back and the
+fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from dcp_compile.runtime.sampling import Noise
+
+_STATE_INPUTS = ("length", "current", "q_logits", "hidden", "active", "temperature")
+
+
+@dataclass
+class _Step:
+    """One captured (or, on CPU, prepared) step for one ``(sampling, seeded)`` pair."""
+
+    inputs: dict[str, torch.Tensor | None]
+    run: Callable[[], tuple]
+    graph: object | None = None
+    outputs: tuple | None = None
+
+
+class StepGraph:
+    """``step(state, noise)`` as one replay.  ``run_step(state, noise)`` is the step's
+    work (``DeviceStep.run_step`` over the uncaptured parts); ``capture``: capture it in
+    a CUDA graph (else run it over the static buffers); ``pool``: the CUDA graph memory
+    pool it shares with the decoder's other graphs."""
+
+    def __init__(self, run_step: Callable, *, capture: bool, pool=None, warmup: int = 2):
+        self.run_step, self.capture, self.pool, self.warmup = run_step, capture, pool, warmup
+        self.steps: dict[tuple[bool, bool], _Step] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, state, noise: Noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (state.sampling, state.sampling and bool(noise.rows))
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = self._prepare(state, noise)
+        _load(step.inputs, state)
+        if step.graph is not None:
+            step.graph.replay()
+            outputs = step.outputs
+        else:
+            outputs = step.run()
+        self.replays += 1
+        state.q_logits, state.hidden = step.inputs["q_logits"], step.inputs["hidden"]
+        return outputs
+
+    def _prepare(self, state, noise: Noise) -> _Step:
+        inputs = {name: None if getattr(state, name) is None else getattr(state, name).clone()
+                  for name in _STATE_INPUTS}
+        sampling = state.sampling
+        state = replace(state)  # the run's template: the caller's state object changes between steps
+
+        def run() -> tuple:
+            inner = replace(state, sampling=sampling, **inputs)
+            outputs = self.run_step(inner, noise)
+            if inputs["q_logits"] is not None:  # the draft's next proposal, into its own input buffers
+                inputs["q_logits"].copy_(inner.q_logits)
+                inputs["hidden"].copy_(inner.hidden)
+            return outputs
+
+        step = _Step(inputs, run)
+        if self.capture:
+            generators = [noise.shared] + (noise.row_generators if noise.rows else [])
+            step.graph, step.outputs = self._capture(run, generators)
+            self.captures += 1
+        return step
+
+    def _capture(self, run: Callable[[], tuple], generators: list[torch.Generator]):
+        graph = torch.cuda.CUDAGraph()
+        if not hasattr(graph, "register_generator_state"):
+            raise RuntimeError(
+                f"torch {torch.__version__} cannot register a generator of its own with a CUDA graph "
+                f"(CUDAGraph.register_generator_state), which the captured step's sampler needs; build the "
+                f"decoder with step_graph=False to capture its calls one by one")
+        before = [g.get_state() for g in generators]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        for generator, state in zip(generators, before):
+            generator.set_state(state)
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = run()
+        return graph, outputs
+
+
+def _load(inputs: dict[str, torch.Tensor | None], state) -> None:
+    """Copy the state into the static inputs (a tensor that already is its buffer, like
+    the draft's logits the last replay wrote back, is left alone)."""
+    for name, buffer in inputs.items():
+        value = getattr(state, name)
+        if (buffer is None) != (value is None):
+            raise ValueError(f"StepGraph: the state's {name} is {'None' if value is None else 'a tensor'}, but the "
+                             f"step was captured with {'none' if buffer is None else 'one'}")
+        if buffer is not None and value is not buffer:
+            buffer.copy_(value)
