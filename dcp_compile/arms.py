@@ -106,6 +106,18 @@ def _describe(spec) -> str:
     return f"Hugging Face model {str(spec.path)!r} + {inspect(spec.draft).kind.upper()} draft {str(spec.draft)!r}"
 
 
+def compile_breakdown(decoder, compile_s: float) -> dict:
+    """Where a decoder's first call (``compile_s`` seconds) went: its ``dcp.backend``s'
+    ``analysis``, ``passes`` and ``lowering`` and their ``graphs``, and the ``rest``:
+    Dynamo's tracing, the graphs compiled outside ``dcp.backend`` (the commit) and the
+    call's own run."""
+    backends = [b for b in (decoder.target_backend, decoder.verify_backend, decoder.draft_backend) if b is not None]
+    parts = [b.compile_seconds() for b in backends]
+    totals = {key: sum(p[key] for p in parts) for key in ("analysis", "passes", "lowering", "graphs")}
+    totals["rest"] = compile_s - totals["analysis"] - totals["passes"] - totals["lowering"]
+    return totals
+
+
 def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     """Load, compile (warm-up call) and time one arm; returns its outputs and numbers."""
     from dcp_compile.runtime.engine import generate_all
@@ -123,6 +135,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     finally:
         close()
     compile_s = time.perf_counter() - start
+    breakdown = compile_breakdown(decoder, compile_s)
     if talk and header:
         print(header, end="", flush=True)
     if device.type == "cuda":
@@ -135,7 +148,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     n_tokens = sum(len(o.tokens) for o in outputs)
     steps = sum(len(o.accepted) for o in outputs)
     return dict(
-        outputs=outputs, compile_s=compile_s, seconds=seconds, tokens=n_tokens,
+        outputs=outputs, compile_s=compile_s, compile_breakdown=breakdown, seconds=seconds, tokens=n_tokens,
         tokens_per_s=n_tokens / seconds, accept_len=sum(a + 1 for o in outputs for a in o.accepted) / max(1, steps),
     )
 
@@ -195,6 +208,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         accept_len=dict(dcp=dcp_arm["accept_len"], off=off_arm["accept_len"]),
         tokens_per_s=dict(dcp=dcp_arm["tokens_per_s"], off=off_arm["tokens_per_s"]),
         compile_s=dict(dcp=dcp_arm["compile_s"], off=off_arm["compile_s"]),
+        compile_breakdown=dict(dcp=dcp_arm["compile_breakdown"], off=off_arm["compile_breakdown"]),
         new_tokens=[len(o.tokens) for o in dcp_out],
         finished_by=[o.finished_by for o in dcp_out],
         gate=verdict.as_dict(),

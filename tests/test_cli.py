@@ -31,6 +31,11 @@ def test_demo_spawns_two_ranks_and_reports_parity():
     check_summary(summary)
     assert summary["new_tokens"] == [24, 24, 24]
     assert (summary["k"], summary["topk"], summary["draft_tokens"]) == (4, 1, 4), "the chain by default"
+    for arm in ("dcp", "off"):  # the compile time, split: every part measured, none past the whole
+        parts = summary["compile_breakdown"][arm]
+        assert parts["graphs"] >= 4 and parts["lowering"] > 0 and parts["analysis"] > 0 and parts["rest"] > 0
+        spent = parts["analysis"] + parts["passes"] + parts["lowering"]
+        assert spent + parts["rest"] == pytest.approx(summary["compile_s"][arm])
 
 
 @pytest.mark.parametrize(

@@ -129,20 +129,22 @@ def accept_chain(
         if draft_probs is None:
             return greedy_rows
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
-    p = probs_at(target_logits, divisor)  # [B, k+1, V]
-    q = draft_probs.float()
-    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
-    q_d = q.gather(2, drafts[..., None])[..., 0]
-    u = _uniform(generator, B, k, p.device)
+    # Only the drafts' probabilities and one full row per sequence are needed: p at the
+    # drafts from one logsumexp per position, p materialized where the bonus is drawn.
+    scaled = target_logits.float() / divisor  # [B, k+1, V]
+    lse = torch.logsumexp(scaled, -1)  # [B, k+1]
+    p_d = (scaled[:, :k].gather(2, drafts[..., None])[..., 0] - lse[:, :k]).exp()
+    q_d = draft_probs.gather(2, drafts[..., None])[..., 0].float()
+    u = _uniform(generator, B, k, scaled.device)
     ok = (u * q_d < p_d).long().cumprod(dim=1)
     accepted = ok.sum(dim=1)
-    rows = torch.arange(B, device=p.device)
-    at = accepted.clamp(max=k - 1)
-    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
+    rows = torch.arange(B, device=scaled.device)
+    p = torch.softmax(scaled[rows, accepted], -1)  # [B, V] after the last accepted draft
+    residual = (p - draft_probs[rows, accepted.clamp(max=k - 1)].float()).clamp(min=0)
     # All accepted: the bonus comes from the target alone.
-    weights = torch.where((accepted == k)[:, None], p[rows, k], residual)
+    weights = torch.where((accepted == k)[:, None], p, residual)
     # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
-    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p[rows, accepted])
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p)
     bonus = sample_from(weights / weights.sum(-1, keepdim=True), generator)
     if sampled_rows is None:
         return accepted, bonus

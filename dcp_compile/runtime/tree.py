@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from dcp_compile.runtime.sampling import Noise, probs_at, row_temperatures
+from dcp_compile.runtime.sampling import Noise, row_temperatures
 
 
 TREE_DRAFT_TOKENS = 16
@@ -299,10 +299,23 @@ def draw(noise: Noise | torch.Generator | None, B: int, shape: TreeShape, vocab:
     return TreeDraws(uniforms, clocks)
 
 
-def _reject(p: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """The residual after rejecting ``token [B, 1]`` drafted with certainty:
-    ``max(p - onehot(token), 0)`` is ``p`` with ``token`` removed (unnormalized)."""
-    return p.scatter(1, token, 0.0)
+class _Left(NamedTuple):
+    """What is left of the target's distribution ``p`` at the current node after its
+    rejected children, without materializing ``p``: the mass still in it (1 at a fresh
+    node) and the tokens removed from it (``[B, topk]``, -1 where none)."""
+
+    mass: torch.Tensor
+    removed: torch.Tensor
+
+
+def _reject(left: _Left, token: torch.Tensor, p_token: torch.Tensor, rejected: torch.Tensor, slot: int) -> _Left:
+    """The residual after rejecting ``token [B]`` (probability ``p_token [B]``) drafted
+    with certainty, in the rows ``rejected [B]``: ``max(p - onehot(token), 0)`` is ``p``
+    with ``token`` removed (unnormalized), so its mass leaves the total; ``slot`` is the
+    child's place among its siblings."""
+    removed = left.removed.clone()
+    removed[:, slot] = torch.where(rejected, token, left.removed[:, slot])
+    return _Left(torch.where(rejected, left.mass - p_token, left.mass), removed)
 
 
 def accept_sampled(
@@ -345,10 +358,18 @@ def accept_sampled(
     draws = noise if isinstance(noise, TreeDraws) else draw(noise, B, tree.shape, target_logits.shape[-1],
                                                             target_logits.device)
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
-    p_all = probs_at(target_logits, divisor)  # [B, N+1, V]
-    nodes, p, at = _walk_sampled(tree, p_all, draws)
+    # The walk reads p at the children's tokens alone (log-probs from one logsumexp per
+    # node); p is materialized once, at the node the path ends on, for the bonus.
+    scaled = target_logits.float() / divisor  # [B, N+1, V]
+    lse = torch.logsumexp(scaled, -1)  # [B, N+1]
+    nodes, left, at = _walk_sampled(tree, scaled, lse, draws)
+    rows = torch.arange(B, device=scaled.device)
+    p = torch.softmax(scaled[rows, at], -1)  # [B, V] at the last node
+    removed = torch.zeros_like(p, dtype=torch.int32).scatter_add_(
+        1, left.removed.clamp(min=0), (left.removed >= 0).int()) > 0
+    weights = p.masked_fill(removed, 0.0)
     # A rejected child carries all that is left of p only through rounding; keep p then.
-    weights = torch.where(p.sum(-1, keepdim=True) > 0, p, p_all.gather(1, at.view(B, 1, 1).expand_as(p[:, None]))[:, 0])
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p)
     sampled = Accepted((nodes >= 0).sum(-1), nodes, (weights / draws.clocks).argmax(-1))
     if sampled_rows is None:
         return sampled
@@ -358,42 +379,50 @@ def accept_sampled(
                     torch.where(sampled_rows, sampled.bonus, greedy.bonus))
 
 
-def _walk_sampled(tree: Tree, p_all: torch.Tensor, draws: TreeDraws):
-    """``accept_sampled``'s walk from the root: ``(nodes [B, k], p [B, V], at [B])``, the
-    accepted nodes (-1 past the path), what is left of ``p`` at the last node, and that
-    node (0: the root)."""
-    B, V = p_all.shape[0], p_all.shape[-1]
+def _walk_sampled(tree: Tree, scaled: torch.Tensor, lse: torch.Tensor, draws: TreeDraws):
+    """``accept_sampled``'s walk from the root over the target's tempered logits
+    ``scaled [B, N+1, V]`` and their ``lse [B, N+1]``: ``(nodes [B, k], left, at [B])``,
+    the accepted nodes (-1 past the path), what is left of ``p`` at the last node, and
+    that node (0: the root)."""
+    B = scaled.shape[0]
     k, topk = tree.shape.k, tree.shape.topk
     children = tree.children()  # [B, N+1, topk]
-    at = torch.zeros(B, dtype=torch.long, device=p_all.device)
-    p = p_all[:, 0]
-    alive = torch.ones(B, dtype=torch.bool, device=p_all.device)
+    rows = torch.arange(B, device=scaled.device)
+    at = torch.zeros(B, dtype=torch.long, device=scaled.device)
+    fresh = _Left(torch.ones(B, device=scaled.device), torch.full((B, topk), -1, device=scaled.device))
+    left = fresh
+    alive = torch.ones(B, dtype=torch.bool, device=scaled.device)
     nodes = []
     for depth in range(k):
-        tried = children.gather(1, at.view(B, 1, 1).expand(B, 1, topk))[:, 0]  # [B, topk]
-        took, chosen, p = _try_children(tree, tried, p, alive, draws.uniforms[:, depth])
+        tried = children[rows, at]  # [B, topk]
+        took, chosen, left = _try_children(tree, tried, scaled[rows, at], lse[rows, at], left, alive,
+                                           draws.uniforms[:, depth])
         alive = took
         at = torch.where(took, chosen + 1, at)
-        p = torch.where(took[:, None], p_all.gather(1, at.view(B, 1, 1).expand(B, 1, V))[:, 0], p)
+        left = _Left(torch.where(took, fresh.mass, left.mass), torch.where(took[:, None], fresh.removed, left.removed))
         nodes.append(torch.where(took, chosen, -1))
-    return torch.stack(nodes, dim=1), p, at
+    return torch.stack(nodes, dim=1), left, at
 
 
-def _try_children(tree: Tree, tried: torch.Tensor, p: torch.Tensor, alive: torch.Tensor, uniforms: torch.Tensor):
+def _try_children(tree: Tree, tried: torch.Tensor, scaled: torch.Tensor, lse: torch.Tensor, left: _Left,
+                  alive: torch.Tensor, uniforms: torch.Tensor):
     """One depth of ``accept_sampled``: the children ``tried [B, topk]`` of each row's
-    node in turn, each accepted with ``p(x) / sum(p)`` or removed from ``p``.  Returns
-    ``(took [B], chosen [B], p)``."""
+    node (whose tempered logits are ``scaled [B, V]``, ``lse [B]``) in turn, each
+    accepted with ``p(x) / sum(p)`` or removed from ``p``.  Returns ``(took [B], chosen
+    [B], left)``."""
     took = torch.zeros_like(alive)
     chosen = torch.zeros_like(tried[:, 0])
     for i in range(tried.shape[1]):
         child = tried[:, i]
         live = alive & ~took & (child >= 0)
-        token = tree.tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
-        # Accept with p(x) / sum(p): p stays unnormalized after removals.
-        ok = live & (uniforms[:, i] * p.sum(-1) < p.gather(1, token)[:, 0])
+        token = tree.tokens.gather(1, child.clamp(min=0)[:, None])[:, 0]  # [B]
+        p_token = (scaled.gather(1, token[:, None])[:, 0] - lse).exp()
+        # Accept with p(x) / sum(p): p stays unnormalized after removals (siblings differ,
+        # so x is still in it).
+        ok = live & (uniforms[:, i] * left.mass < p_token)
         took, chosen = took | ok, torch.where(ok, child, chosen)
-        p = torch.where((live & ~ok)[:, None], _reject(p, token), p)
-    return took, chosen, p
+        left = _reject(left, token, p_token, live & ~ok, i)
+    return took, chosen, left
 
 
 def emitted(tree: Tree, accepted: Accepted) -> torch.Tensor:

@@ -358,7 +358,7 @@ def test_the_test_rejects_a_sampler_without_the_residual_update(shape, monkeypat
     emits the tried children too often, and the same test says so."""
     V, B, temperature = 6, 20000, 0.9
     model = SecondOrder(V, seed=11)
-    monkeypatch.setattr(tree_mod, "_reject", lambda p, token: p)
+    monkeypatch.setattr(tree_mod, "_reject", lambda left, token, p_token, rejected, slot: left)
     first, second, _ = model.first_two(shape, B, temperature, seed=12)
     exact = model.exact_first_two(temperature)
     counts = torch.bincount(first * V + second, minlength=V * V).view(V, V)
