@@ -11,6 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def logprobs_at(logits: torch.Tensor, divisor: float | torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / divisor)`` in fp32 in two passes over the logits: a divisor
+    tensor (fp32) upcasts in the division itself, then one fused log-softmax."""
+    scaled = logits / divisor if isinstance(divisor, torch.Tensor) and divisor.dtype == torch.float32 \
+        else logits.float() / divisor
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def probs_at(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """The fp32 distribution ``logits`` sample from at ``temperature`` (a float, or a
     divisor shaped for ``logits``)."""
@@ -129,17 +137,16 @@ def accept_chain(
         if draft_probs is None:
             return greedy_rows
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
-    # Only the drafts' probabilities and one full row per sequence are needed: p at the
-    # drafts from one logsumexp per position, p materialized where the bonus is drawn.
-    scaled = target_logits.float() / divisor  # [B, k+1, V]
-    lse = torch.logsumexp(scaled, -1)  # [B, k+1]
-    p_d = (scaled[:, :k].gather(2, drafts[..., None])[..., 0] - lse[:, :k]).exp()
+    # Only the drafts' probabilities and one full row per sequence are read: p at the
+    # drafts, and p where the bonus is drawn.
+    logp = logprobs_at(target_logits, divisor)  # [B, k+1, V]
+    p_d = logp[:, :k].gather(2, drafts[..., None])[..., 0].exp()
     q_d = draft_probs.gather(2, drafts[..., None])[..., 0].float()
-    u = _uniform(generator, B, k, scaled.device)
+    u = _uniform(generator, B, k, logp.device)
     ok = (u * q_d < p_d).long().cumprod(dim=1)
     accepted = ok.sum(dim=1)
-    rows = torch.arange(B, device=scaled.device)
-    p = torch.softmax(scaled[rows, accepted], -1)  # [B, V] after the last accepted draft
+    rows = torch.arange(B, device=logp.device)
+    p = logp[rows, accepted].exp()  # [B, V] after the last accepted draft
     residual = (p - draft_probs[rows, accepted.clamp(max=k - 1)].float()).clamp(min=0)
     # All accepted: the bonus comes from the target alone.
     weights = torch.where((accepted == k)[:, None], p, residual)

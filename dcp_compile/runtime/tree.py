@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from dcp_compile.runtime.sampling import Noise, row_temperatures
+from dcp_compile.runtime.sampling import Noise, logprobs_at, row_temperatures
 
 
 TREE_DRAFT_TOKENS = 16
@@ -358,13 +358,12 @@ def accept_sampled(
     draws = noise if isinstance(noise, TreeDraws) else draw(noise, B, tree.shape, target_logits.shape[-1],
                                                             target_logits.device)
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
-    # The walk reads p at the children's tokens alone (log-probs from one logsumexp per
-    # node); p is materialized once, at the node the path ends on, for the bonus.
-    scaled = target_logits.float() / divisor  # [B, N+1, V]
-    lse = torch.logsumexp(scaled, -1)  # [B, N+1]
-    nodes, left, at = _walk_sampled(tree, scaled, lse, draws)
-    rows = torch.arange(B, device=scaled.device)
-    p = torch.softmax(scaled[rows, at], -1)  # [B, V] at the last node
+    # The walk reads p at the children's tokens alone; p is materialized once, at the
+    # node the path ends on, for the bonus.
+    logp = logprobs_at(target_logits, divisor)  # [B, N+1, V]
+    nodes, left, at = _walk_sampled(tree, logp, draws)
+    rows = torch.arange(B, device=logp.device)
+    p = logp[rows, at].exp()  # [B, V] at the last node
     removed = torch.zeros_like(p, dtype=torch.int32).scatter_add_(
         1, left.removed.clamp(min=0), (left.removed >= 0).int()) > 0
     weights = p.masked_fill(removed, 0.0)
@@ -379,24 +378,22 @@ def accept_sampled(
                     torch.where(sampled_rows, sampled.bonus, greedy.bonus))
 
 
-def _walk_sampled(tree: Tree, scaled: torch.Tensor, lse: torch.Tensor, draws: TreeDraws):
-    """``accept_sampled``'s walk from the root over the target's tempered logits
-    ``scaled [B, N+1, V]`` and their ``lse [B, N+1]``: ``(nodes [B, k], left, at [B])``,
-    the accepted nodes (-1 past the path), what is left of ``p`` at the last node, and
-    that node (0: the root)."""
-    B = scaled.shape[0]
+def _walk_sampled(tree: Tree, logp: torch.Tensor, draws: TreeDraws):
+    """``accept_sampled``'s walk from the root over the target's tempered log-probs
+    ``logp [B, N+1, V]``: ``(nodes [B, k], left, at [B])``, the accepted nodes (-1 past
+    the path), what is left of ``p`` at the last node, and that node (0: the root)."""
+    B = logp.shape[0]
     k, topk = tree.shape.k, tree.shape.topk
     children = tree.children()  # [B, N+1, topk]
-    rows = torch.arange(B, device=scaled.device)
-    at = torch.zeros(B, dtype=torch.long, device=scaled.device)
-    fresh = _Left(torch.ones(B, device=scaled.device), torch.full((B, topk), -1, device=scaled.device))
+    rows = torch.arange(B, device=logp.device)
+    at = torch.zeros(B, dtype=torch.long, device=logp.device)
+    fresh = _Left(torch.ones(B, device=logp.device), torch.full((B, topk), -1, device=logp.device))
     left = fresh
-    alive = torch.ones(B, dtype=torch.bool, device=scaled.device)
+    alive = torch.ones(B, dtype=torch.bool, device=logp.device)
     nodes = []
     for depth in range(k):
-        tried = children[rows, at]  # [B, topk]
-        took, chosen, left = _try_children(tree, tried, scaled[rows, at], lse[rows, at], left, alive,
-                                           draws.uniforms[:, depth])
+        took, chosen, left = _try_children(tree, children[rows, at], lambda token: logp[rows, at, token].exp(), left,
+                                           alive, draws.uniforms[:, depth])
         alive = took
         at = torch.where(took, chosen + 1, at)
         left = _Left(torch.where(took, fresh.mass, left.mass), torch.where(took[:, None], fresh.removed, left.removed))
@@ -404,10 +401,9 @@ def _walk_sampled(tree: Tree, scaled: torch.Tensor, lse: torch.Tensor, draws: Tr
     return torch.stack(nodes, dim=1), left, at
 
 
-def _try_children(tree: Tree, tried: torch.Tensor, scaled: torch.Tensor, lse: torch.Tensor, left: _Left,
-                  alive: torch.Tensor, uniforms: torch.Tensor):
+def _try_children(tree: Tree, tried: torch.Tensor, p_of, left: _Left, alive: torch.Tensor, uniforms: torch.Tensor):
     """One depth of ``accept_sampled``: the children ``tried [B, topk]`` of each row's
-    node (whose tempered logits are ``scaled [B, V]``, ``lse [B]``) in turn, each
+    node in turn (``p_of(tokens [B]) -> [B]``: the target's probabilities there), each
     accepted with ``p(x) / sum(p)`` or removed from ``p``.  Returns ``(took [B], chosen
     [B], left)``."""
     took = torch.zeros_like(alive)
@@ -416,7 +412,7 @@ def _try_children(tree: Tree, tried: torch.Tensor, scaled: torch.Tensor, lse: to
         child = tried[:, i]
         live = alive & ~took & (child >= 0)
         token = tree.tokens.gather(1, child.clamp(min=0)[:, None])[:, 0]  # [B]
-        p_token = (scaled.gather(1, token[:, None])[:, 0] - lse).exp()
+        p_token = p_of(token)
         # Accept with p(x) / sum(p): p stays unnormalized after removals (siblings differ,
         # so x is still in it).
         ok = live & (uniforms[:, i] * left.mass < p_token)
