@@ -30,7 +30,7 @@ import torch
 
 from dcp_compile.runtime import sampling, tree
 from dcp_compile.runtime.tree import TreeShape, accept_greedy, expand, select
-from _report import leave, log, median_ms, parse_with_watchdog, report
+from _report import capture, leave, log, median_ms, parse_with_watchdog, report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,16 +66,7 @@ def random_tree(shape: TreeShape, B: int, V: int, device) -> tree.Tree:
 def timed(fn, generator, reps: int, cuda: bool) -> float:
     if not cuda:
         return median_ms(fn, reps, warmup=1, cuda=False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, reps, warmup=3)
+    return median_ms(capture(fn, (generator,)).replay, reps, warmup=3)
 
 
 def agree(a, b) -> float:
