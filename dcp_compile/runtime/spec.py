@@ -32,9 +32,9 @@ protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import Noise, accept_chain, probs_at, row_temperatures, sample_from
 from dcp_compile.runtime.tree import TreeShape, default_draft_tokens
+from dcp_compile.runtime.step_graph import StepGraph, StepParts
 from dcp_compile.runtime.tree_step import TreeStep
 
 
@@ -69,17 +70,6 @@ class SpecDraft(Protocol):
     dtype: torch.dtype
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
-
-
-class StepParts(NamedTuple):
-    """The compiled calls one speculative step makes (``None``: not in this decoder)."""
-
-    target_verify: Callable
-    commit_c: Callable | None
-    draft_step: Callable | None
-    """The draft's extend and chain step (one compiled callable, a graph per width)."""
-    draft_tree: list | None
-    """A tree's draft depths after the first, one callable each."""
 
 
 class SpecGraphs:
@@ -447,12 +437,13 @@ class SpecDecoder:
                                       target_vocab=target.vocab_size, draft=draft,
                                       target_features=target.feature_width > 0, tree=shape)
         if step_graph:
-            from dcp_compile.runtime.step_graph import StepGraph
-
-            run = self.device_step.run_step
-            self.device_step.step_graph = StepGraph(lambda state, noise: run(state, noise, graphs.compiled),
-                                                    capture=cuda_graphs, pool=graphs.pool)
+            self.device_step.step_graph = self._step_graph(cuda_graphs)
             self.graph_runners = [self.device_step.step_graph, *graphs.graph_runners]
+
+    def _step_graph(self, capture: bool) -> StepGraph:
+        """The whole step over the uncaptured compiled graphs, as one graph (``capture``)."""
+        run, graphs = self.device_step.run_step, self.graphs
+        return StepGraph(lambda state, noise: run(state, noise, graphs.compiled), capture=capture, pool=graphs.pool)
 
     @property
     def graph_count(self) -> int:

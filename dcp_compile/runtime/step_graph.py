@@ -39,12 +39,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from dcp_compile.runtime.sampling import Noise
 
 _STATE_INPUTS = ("length", "current", "q_logits", "hidden", "active", "temperature")
+
+
+class StepParts(NamedTuple):
+    """The compiled calls one speculative step makes (``None``: not in this decoder)."""
+
+    target_verify: Callable
+    commit_c: Callable | None
+    draft_step: Callable | None
+    """The draft's extend and chain step (one compiled callable, a graph per width)."""
+    draft_tree: list | None
+    """A tree's draft depths after the first, one callable each."""
 
 
 @dataclass
