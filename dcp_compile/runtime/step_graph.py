@@ -7,8 +7,8 @@ draft depth.  At batch 1 that host work costs as much as the verify itself (BENC
 ``StepGraph`` captures the step whole instead: the draft (chain or tree), the verify, the
 acceptance (greedy and sampled), the commit and the draft's extend, over the compiled
 graphs uncaptured (``SpecGraphs.compiled``), in one graph per value of the host's
-``sampling`` flag (and whether any row is seeded).  A step is then a handful of input copies, one replay and the caller's
-one read of the emitted tokens.
+``sampling`` flag (and whether any row is seeded).  A step is then a handful of input
+copies, one replay and the caller's one read of the emitted tokens.
 
 What the graph holds fixed, and who changes it:
 
@@ -27,12 +27,12 @@ What the graph holds fixed, and who changes it:
 
 Capture: two warm-up steps on a side stream (Inductor's first calls and the
 communicators' set-up cannot be captured) with the generator's state put back after
-them, so the captured step draws what an uncaptured one would.  A warm-up step repeats
-the step's own writes (the same KV slots with the same values), so it changes nothing.
+them, so the captured step draws what an uncaptured one would.  A warm-up step writes
+only the KV slots the step itself writes (their positions follow the rows' lengths), and
+the replay that follows rewrites every one of them before anything reads it.
 
 On a CPU group (``capture=False``) the same object runs the step over the same static
-buffers without a graph: what the CPU tests check of the buffers, the write-back and the
-fallback.
+buffers without a graph: what the CPU tests check of the buffers and the write-back.
 """
 
 from __future__ import annotations
