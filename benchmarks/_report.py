@@ -63,25 +63,6 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def capture(fn, generators=()):
-    """``fn`` in a CUDA graph: one warm-up call on a side stream (first calls compile,
-    autotune and allocate, which a capture cannot), then the capture, with ``generators``
-    registered so that replays draw as eager calls would."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def median_ms(fn, reps: int, *, warmup: int = 0, cuda: bool = True) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones:
     CUDA events around each call on a GPU, the host clock otherwise."""

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from dcp_compile.runtime import sampling, tree
+from dcp_compile.runtime.cuda_graphs import capture
 from dcp_compile.runtime.tree import TreeShape, accept_greedy, expand, select
-from _report import capture, leave, log, median_ms, parse_with_watchdog, report
+from _report import leave, log, median_ms, parse_with_watchdog, report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +67,8 @@ def random_tree(shape: TreeShape, B: int, V: int, device) -> tree.Tree:
 def timed(fn, generator, reps: int, cuda: bool) -> float:
     if not cuda:
         return median_ms(fn, reps, warmup=1, cuda=False)
-    return median_ms(capture(fn, (generator,)).replay, reps, warmup=3)
+    graph, _ = capture(fn, generators=(generator,))
+    return median_ms(graph.replay, reps, warmup=3)
 
 
 def agree(a, b) -> float:

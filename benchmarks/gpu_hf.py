@@ -56,7 +56,7 @@ import torch.distributed as dist
 import dcp_compile as dcp
 from dcp_compile.hf import DCPStaticCache, cache_kwarg
 from dcp_compile.group import DCPGroup
-from _report import capture
+from dcp_compile.runtime.cuda_graphs import capture
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
@@ -190,7 +190,7 @@ def step_time(model, group: DCPGroup, context: int, batch: int, lowering: str, r
             step()
             times.append(time.perf_counter() - start)
         return statistics.median(times), logits, sites
-    graph = capture(step)
+    graph, _ = capture(step)
     times = []
     for _ in range(replays):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

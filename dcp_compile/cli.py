@@ -57,7 +57,7 @@ def _check_tree(parser: argparse.ArgumentParser, args: argparse.Namespace, draft
     if args.draft_tokens is None:
         from dcp_compile.runtime.tree import default_draft_tokens
 
-        args.draft_tokens = default_draft_tokens(args.k, args.topk) if args.k > 0 else args.k
+        args.draft_tokens = default_draft_tokens(args.k, args.topk)
     if not drafted or args.k == 0:
         return
     from dcp_compile.runtime.tree import TreeShape

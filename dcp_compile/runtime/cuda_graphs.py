@@ -40,6 +40,33 @@ class _Captured:
     outputs: object
 
 
+def capture(fn: Callable[[], object], *, pool=None, warmup: int = 1, generators=()) -> tuple:
+    """``(graph, outputs)``: ``fn()`` captured in a CUDA graph, after ``warmup`` calls on a
+    side stream (first calls compile, autotune and create communicators, which a capture
+    allows none of).  ``generators``: the generators ``fn`` draws from, their states put
+    back after the warm-up and registered with the graph, so that each replay draws what
+    an uncaptured call would."""
+    graph = torch.cuda.CUDAGraph()
+    if generators and not hasattr(graph, "register_generator_state"):
+        raise RuntimeError(
+            f"torch {torch.__version__} cannot register a generator of its own with a CUDA graph "
+            f"(CUDAGraph.register_generator_state), which a captured sampler needs; capture the calls around the "
+            f"sampler instead (SpecDecoder(step_graph=False))")
+    before = [g.get_state() for g in generators]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for generator, state in zip(generators, before):
+        generator.set_state(state)
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 class GraphRunner:
     def __init__(self, fn: Callable, *, pool=None, warmup: int = 2, clone_outputs: bool = False):
         self.fn = fn
@@ -52,17 +79,7 @@ class GraphRunner:
 
     def _capture(self, args) -> _Captured:
         static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        # Warm-up on a side stream: compiles, autotunes and creates communicators
-        # before capture, as capture allows none of that.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self.fn(*static_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*static_inputs)
+        graph, outputs = capture(lambda: self.fn(*static_inputs), pool=self.pool, warmup=self.warmup)
         self.captures += 1
         return _Captured(graph, static_inputs, outputs)
 

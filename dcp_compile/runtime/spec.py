@@ -292,7 +292,8 @@ class DeviceStep:
             return self.step_graph(state, noise)
         return self.run_step(state, noise, self.graphs.parts)
 
-    def run_step(self, state: StepState, noise: Noise, parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_step(self, state: StepState, noise: Noise,
+                 parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's work through ``parts``, with no host sync (but the rank check's)."""
         g, k, rows, steps = parts, self.k, self.rows, self.steps
         if self.draft is None:
@@ -359,8 +360,9 @@ class SpecDecoder:
     depth expands the best ``topk`` frontier nodes by their ``topk`` likeliest tokens, and
     the target verifies the best ``draft_tokens`` nodes by cumulative draft log-prob
     (at most ``topk + (k - 1) * topk**2``; unset, ``k`` for ``topk=1`` and 16 for a
-    tree, ``runtime.tree.TREE_DRAFT_TOKENS``).  ``topk=1`` (the default) is the chain.  ``tree``: ``None`` picks the tree path for a tree shape; ``True``
-    runs a chain shape through the tree's graphs too (to compare the two paths).
+    tree, ``runtime.tree.TREE_DRAFT_TOKENS``).  ``topk=1`` (the default) is the chain.
+    ``tree``: ``None`` picks the tree path for a tree shape; ``True`` runs a chain shape
+    through the tree's graphs too (to compare the two paths).
 
     ``target``: a ``SpecTarget`` (e.g. ``Llama`` with ``aux_layers``, or ``hf.DCPCausalLM``).
     ``draft``: a ``SpecDraft`` built for it (``EagleDraft``), or ``None`` with ``k=0``: DCP
@@ -370,8 +372,9 @@ class SpecDecoder:
     ``dcp.backend``).  ``cuda_graphs``: capture the step in CUDA graphs once per shape
     and replay it: with ``step_graph`` (the default then) the whole step is one graph
     (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
-    draft extend and step or depths) one by one, the glue between them uncaptured.  On a CPU group ``step_graph=True``
-    runs the step over the same static buffers, uncaptured.  ``check_ranks``: after
+    draft extend and step or depths) one by one, the glue between them uncaptured.  On a
+    CPU group ``step_graph=True`` runs the step over the same static buffers, uncaptured.
+    ``check_ranks``: after
     the prefill and every verify, compare a checksum of the merged logits and the accept
     decisions across ranks (one small eager all-gather per step) and raise on the first
     difference; a debugging aid, since ranks that disagree would otherwise run different
@@ -464,7 +467,8 @@ class SpecDecoder:
             return None
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (the draft depth: draft tokens per step for a chain) must be an int >= 1, got {k!r}")
-        shape = TreeShape(k, topk, default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens)  # refuses a shape no tree has
+        # TreeShape refuses a shape no tree has.
+        shape = TreeShape(k, topk, default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens)
         chain = topk == 1 and shape.draft_tokens == k
         if tree is False and not chain:
             raise ValueError(f"tree=False asks for a chain, but topk={topk} and draft_tokens={shape.draft_tokens} "

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from dcp_compile.runtime.cuda_graphs import capture
 from dcp_compile.runtime.sampling import Noise
 
 _STATE_INPUTS = ("length", "current", "q_logits", "hidden", "active", "temperature")
@@ -113,30 +114,9 @@ class StepGraph:
         step = _Step(inputs, run)
         if self.capture:
             generators = [noise.shared] + (noise.row_generators if noise.rows else [])
-            step.graph, step.outputs = self._capture(run, generators)
+            step.graph, step.outputs = capture(run, pool=self.pool, warmup=self.warmup, generators=generators)
             self.captures += 1
         return step
-
-    def _capture(self, run: Callable[[], tuple], generators: list[torch.Generator]):
-        graph = torch.cuda.CUDAGraph()
-        if not hasattr(graph, "register_generator_state"):
-            raise RuntimeError(
-                f"torch {torch.__version__} cannot register a generator of its own with a CUDA graph "
-                f"(CUDAGraph.register_generator_state), which the captured step's sampler needs; build the "
-                f"decoder with step_graph=False to capture its calls one by one")
-        before = [g.get_state() for g in generators]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        for generator, state in zip(generators, before):
-            generator.set_state(state)
-            graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = run()
-        return graph, outputs
 
 
 def _load(inputs: dict[str, torch.Tensor | None], state) -> None:
