@@ -5,7 +5,8 @@ sampled step costs on the device at a real vocabulary.
     python3 benchmarks/exp_sampled_accept.py --old REV --device cpu --vocab 512 --batches 2   # the script, on CPU
 
 ``--old REV``: the acceptance of ``dcp_compile/runtime/sampling.py`` and ``tree.py`` at git
-revision ``REV``, loaded from ``git show`` as modules of their own.  For each batch, the
+revision ``REV``, loaded from ``git show`` (or from a folder holding the two files) as
+modules of their own.  For each batch, the
 chain (``accept_chain``, k=3, the draft's distribution over the target vocabulary) and a
 tree (``accept_sampled``, 6,4,16), at temperature 0.8 on random bf16 logits:
 
@@ -41,8 +42,11 @@ def load_old(rev: str) -> types.SimpleNamespace:
     the old sampling)."""
     modules = {}
     for name in ("sampling", "tree"):
-        source = subprocess.run(["git", "show", f"{rev}:dcp_compile/runtime/{name}.py"], cwd=REPO, check=True,
-                                capture_output=True, text=True).stdout
+        if Path(rev).is_dir():  # the files of a revision, written out where git is not (the GPU machine)
+            source = (Path(rev) / f"{name}.py").read_text()
+        else:
+            source = subprocess.run(["git", "show", f"{rev}:dcp_compile/runtime/{name}.py"], cwd=REPO, check=True,
+                                    capture_output=True, text=True).stdout
         source = source.replace("from dcp_compile.runtime.sampling import", "from old_accept_sampling import")
         spec = importlib.util.spec_from_loader(f"old_accept_{name}", loader=None)
         module = importlib.util.module_from_spec(spec)
