@@ -11,6 +11,8 @@ on a GPU, captured) to its return.  Arms, each in a process of its own:
 - **dcp**: the target's prefill and verify rewritten into the cascade DCP runs (prefix over
   the cache, window, merge: ``dcp.backend(..., cascade=True)`` on a group of one, every
   DCP rank's kernels without the collective), the draft as always;
+- **dcp-opaque**: the same, with the attention ops left opaque to Inductor
+  (``dcp.backend(..., kernels="opaque")``, ``ops.inlining``) in the target and the draft;
 - **off**: the demo's off arm: a group of one, whose target compiles as plain
   ``torch.compile`` does (the passes leave it alone).
 
@@ -32,7 +34,7 @@ import tempfile
 import time
 
 START = time.perf_counter()
-ARMS = ("dcp", "off")
+ARMS = ("dcp", "dcp-opaque", "off")
 
 
 def child(args) -> dict:
@@ -43,11 +45,12 @@ def child(args) -> dict:
     from dcp_compile.group import DCPGroup
     from dcp_compile.runtime import spec
 
-    if args.arm == "dcp":
+    if args.arm.startswith("dcp"):
         made = spec.make_backend
+        kernels = "opaque" if args.arm == "dcp-opaque" else "inline"
 
         def cascade_backend(group, role, **kw):
-            return made(group, role, cascade=role == "target", **kw)
+            return made(group, role, cascade=role == "target", kernels=kernels, **kw)
 
         spec.make_backend = cascade_backend
     parser = cli._parser()
@@ -62,7 +65,11 @@ def child(args) -> dict:
     started = time.perf_counter()
     result = arms._run_arm(args.arm, DCPGroup(1, 0, device, None), demo, prompts, talk=False)
     total = time.perf_counter() - started
-    return dict(arm=args.arm, import_s=imported, build_and_compile_s=total, compile_s=result["compile_s"],
+    from torch._dynamo.utils import counters
+
+    caches = {f"{group}.{name}": count for group in ("inductor", "aot_autograd") for name, count in counters[group].items()
+              if "cache" in name}
+    return dict(arm=args.arm, import_s=imported, build_and_compile_s=total, compile_s=result["compile_s"], caches=caches,
                 compile_breakdown=result["compile_breakdown"], tokens=[o.tokens for o in result["outputs"]],
                 tokens_per_s=result["tokens_per_s"], process_s=time.perf_counter() - START)
 
@@ -90,6 +97,7 @@ def main() -> None:
     parser.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     parser.add_argument("--out")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -98,7 +106,7 @@ def main() -> None:
         return
     runs = []
     with tempfile.TemporaryDirectory() as root:
-        for arm in ARMS:
+        for arm in args.arms:
             caches = os.path.join(root, arm)
             for phase in ("cold", "warm"):
                 result = run_child(arm, caches, args)
@@ -107,9 +115,10 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] {arm} {phase}: compile {result['compile_s']:.1f} s, "
                       f"{result['compile_breakdown']}", file=sys.stderr, flush=True)
     by = {(r["arm"], r["phase"]): r for r in runs}
-    same = all(by[arm, "cold"]["tokens"] == by[arm, "warm"]["tokens"] for arm in ARMS)
+    same = all(by[arm, "cold"]["tokens"] == by[arm, "warm"]["tokens"] for arm in args.arms)
     summary = dict(runs=runs, cold_and_warm_tokens_identical=same,
-                   cold_ratio_dcp_to_off=by["dcp", "cold"]["compile_s"] / by["off", "cold"]["compile_s"])
+                   **{f"cold_ratio_{arm}_to_off": by[arm, "cold"]["compile_s"] / by["off", "cold"]["compile_s"]
+                      for arm in args.arms if arm != "off" and "off" in args.arms})
     try:
         import torch
         import triton
@@ -124,7 +133,10 @@ def main() -> None:
         b = r["compile_breakdown"]
         print(f"| {r['arm']} | {r['phase']} | {r['import_s']:.1f} | {r['compile_s']:.1f} | {b['analysis']:.2f} | "
               f"{b['passes']:.2f} | {b['lowering']:.1f} | {b['rest']:.1f} | {b['graphs']} |")
-    print(f"cold dcp / off: {summary['cold_ratio_dcp_to_off']:.2f}; each arm's cold and warm tokens identical: {same}")
+    for r in runs:
+        print(f"{r['arm']} {r['phase']} caches: {r['caches']}")
+    ratios = ", ".join(f"{key}: {value:.2f}" for key, value in summary.items() if key.startswith("cold_ratio"))
+    print(f"{ratios}; each arm's cold and warm tokens identical: {same}")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
     if args.out:
         with open(args.out, "w") as f:

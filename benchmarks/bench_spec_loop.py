@@ -70,13 +70,14 @@ def graph_times(decoder, k: int, reps: int) -> dict:
     return times
 
 
-def loop_seconds_per_step(decoder, prompts, short: int, long: int, reps: int, device) -> tuple[float, int]:
-    def run(new: int) -> tuple[float, int]:
+def loop_seconds_per_step(decoder, prompts, short: int, long: int, reps: int, device) -> tuple[float, int, list]:
+    """Seconds per verify step, the step count, and the long run's tokens."""
+    def run(new: int) -> tuple[float, int, list]:
         sync(device)
         start = time.perf_counter()
-        dcp.generate_all(decoder, prompts, new)
+        outputs = dcp.generate_all(decoder, prompts, new)
         sync(device)
-        return time.perf_counter() - start, decoder.device_step.verify_steps
+        return time.perf_counter() - start, decoder.device_step.verify_steps, [o.tokens for o in outputs]
 
     run(short)  # compiles and captures
     shorts, longs = [], []
@@ -84,8 +85,8 @@ def loop_seconds_per_step(decoder, prompts, short: int, long: int, reps: int, de
         shorts.append(run(short))
         longs.append(run(long))
     steps = longs[0][1] - shorts[0][1]
-    per_step = (statistics.median(t for t, _ in longs) - statistics.median(t for t, _ in shorts)) / steps
-    return per_step, steps
+    per_step = (statistics.median(t for t, _, _ in longs) - statistics.median(t for t, _, _ in shorts)) / steps
+    return per_step, steps, longs[0][2]
 
 
 def step_graph_ms(step_graph, sampling: bool, reps: int) -> float:
@@ -113,12 +114,16 @@ def measure(batch: int, args, device) -> dict:
     point = dict(batch=batch, k=args.k, prompt_len=args.prompt_len, vocab=cfg.vocab_size, layers=cfg.n_layers)
     for temperature in args.temperatures:
         decoder.temperature = temperature
+        tokens = {}
         for arm in ARMS:
             decoder.device_step.step_graph = whole if arm == "one_graph" else None
-            per_step, steps = loop_seconds_per_step(decoder, prompts, args.new // 4, args.new, args.reps, device)
+            per_step, steps, tokens[arm] = loop_seconds_per_step(decoder, prompts, args.new // 4, args.new, args.reps,
+                                                                 device)
             point[f"loop_ms_{arm}_t{temperature}"] = per_step * 1e3
             point[f"steps_t{temperature}"] = steps
             log(f"batch {batch} temperature {temperature} {arm}: loop {per_step * 1e3:.3f} ms per step ({steps} steps)")
+        # The same decoder, seed and prompts: both arms must emit the same tokens.
+        point[f"arms_agree_t{temperature}"] = tokens["one_graph"] == tokens["calls"]
     decoder.device_step.step_graph = whole
     if graphs:
         point["graphs_ms"] = graph_times(decoder, args.k, args.graph_reps)
@@ -136,15 +141,15 @@ ARMS = ("one_graph", "calls")
 
 def print_table(points: list[dict], temperatures) -> None:
     print("| batch | temperature | step graph ms | loop, one graph ms | loop / step graph | loop, calls ms | "
-          "calls / one graph |")
-    print("|---|---|---|---|---|---|---|")
+          "calls / one graph | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in points:
         for temperature in temperatures:
             t = f"t{temperature}"
             graph = p.get(f"step_graph_ms_{t}", float("nan"))
             one, calls = p[f"loop_ms_one_graph_{t}"], p[f"loop_ms_calls_{t}"]
             print(f"| {p['batch']} | {temperature} | {graph:.3f} | {one:.3f} | {one / graph:.3f} | {calls:.3f} | "
-                  f"{calls / one:.3f} |")
+                  f"{calls / one:.3f} | {p[f'arms_agree_{t}']} |")
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ import dcp_compile as dcp
 from dcp_compile.models import DraftConfig, EagleDraft, Llama, LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
 from dcp_compile.runtime.sampling import Noise
-from dcp_compile.runtime.spec import StepState
+from dcp_compile.runtime.state import StepState
 from _report import leave, log, median_ms, parse_with_watchdog, randomize, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -76,8 +76,16 @@ def state_at(context: int, decoder, target, draft, device) -> StepState:
         length=torch.full((B,), context, device=device), current=torch.randint(0, target.vocab_size, (B,), device=device),
         q_logits=torch.randn(B, draft.head.out_features, device=device), hidden=hidden,
         active=torch.ones(B, dtype=torch.bool, device=device), temperature=torch.zeros(B, device=device),
-        sampling=False,
+        sampling=False, remaining=torch.zeros(B, dtype=torch.long, device=device),
+        stops=torch.full((B, 1), -1, dtype=torch.long, device=device),
     )
+
+
+def timed_step(decoder, state, noise) -> None:
+    """One step from the same context: a budget of 0 ends every row where it stands, and
+    each step starts them again (one small fill)."""
+    state.active.fill_(True)
+    decoder.device_step.step(state, noise)
 
 
 def graph_ms(decoder, reps: int) -> dict:
@@ -108,9 +116,9 @@ def measure(batch: int, shape, contexts, args, device) -> list[dict]:
         for context in contexts:
             state = state_at(context, decoder, target, draft, device)
             whole = decoder.device_step.step_graph
-            step = median_ms(lambda: decoder.device_step.step(state, noise), args.reps, warmup=3, cuda=cuda)
+            step = median_ms(lambda: timed_step(decoder, state, noise), args.reps, warmup=3, cuda=cuda)
             decoder.device_step.step_graph = None  # the calls arm: each call's graph, the glue uncaptured
-            calls = median_ms(lambda: decoder.device_step.step(state, noise), args.reps, warmup=3, cuda=cuda)
+            calls = median_ms(lambda: timed_step(decoder, state, noise), args.reps, warmup=3, cuda=cuda)
             decoder.device_step.step_graph = whole
             row = dict(batch=batch, k=k, topk=topk, draft_tokens=nodes, context=context, layers=cfg.n_layers,
                        step_ms=step, step_calls_ms=calls)

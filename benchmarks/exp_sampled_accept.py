@@ -10,7 +10,9 @@ modules of their own.  For each batch, the
 chain (``accept_chain``, k=3, the draft's distribution over the target vocabulary) and a
 tree (``accept_sampled``, 6,4,16), at temperature 0.8 on random bf16 logits:
 
-- **old**, **new**: the sampled acceptance; **greedy**: the greedy acceptance of the same
+- **old**, **new**: the sampled acceptance; **fused** (the chain): the new one with its
+  decisions compiled by Inductor (``sampling.chain_rule``, as ``SpecDecoder`` runs it on
+  a GPU); **greedy**: the greedy acceptance of the same
   shape, the floor a sampled step is held to;
 - each captured in a CUDA graph (the generator registered, as in the one-graph step) and
   timed by its replays, median of ``--reps``; on CPU, the host clock;
@@ -92,9 +94,12 @@ def measure(batch: int, args, old, device) -> list[dict]:
     logits = (3 * torch.randn(batch, k + 1, V, generator=gen, device=device)).to(torch.bfloat16)
     q = torch.softmax(3 * torch.randn(batch, k, V, generator=gen, device=device), -1)
     drafts = torch.multinomial(q.view(-1, V), 1, generator=gen).view(batch, k)
+    fused = torch.compile(sampling.chain_rule, backend="inductor" if cuda else "aot_eager", fullgraph=True,
+                          dynamic=False)
     arms = {
         "old": lambda g: old.sampling.accept_chain(logits, drafts, q, temperature, g),
         "new": lambda g: sampling.accept_chain(logits, drafts, q, temperature, g),
+        "fused": lambda g: sampling.accept_chain(logits, drafts, q, temperature, g, fused),
         "greedy": lambda g: sampling.accept_chain(logits, drafts, None, 0.0, g),
     }
     rows.append(compare("chain k=3", batch, arms, device, args, cuda))
@@ -113,11 +118,15 @@ def measure(batch: int, args, old, device) -> list[dict]:
 def compare(name: str, batch: int, arms: dict, device, args, cuda: bool) -> dict:
     outputs = {arm: tuple(fn(torch.Generator(device=device).manual_seed(7))) for arm, fn in arms.items()}
     row = dict(shape=name, batch=batch, vocab=args.vocab, agree=agree(outputs["old"], outputs["new"]))
+    if "fused" in outputs:
+        row["agree_fused"] = agree(outputs["new"], outputs["fused"])
     for arm, fn in arms.items():
         generator = torch.Generator(device=device).manual_seed(7)
         row[f"{arm}_ms"] = timed(lambda: fn(generator), generator, args.reps, cuda)
     row["new_over_greedy"] = row["new_ms"] / row["greedy_ms"]
     row["old_over_greedy"] = row["old_ms"] / row["greedy_ms"]
+    if "fused_ms" in row:
+        row["fused_over_greedy"] = row["fused_ms"] / row["greedy_ms"]
     log(f"  {row}")
     return row
 
@@ -134,11 +143,14 @@ def main() -> None:
     device = torch.device(args.device)
     old = load_old(args.old)
     rows = [row for batch in args.batches for row in measure(batch, args, old, device)]
-    print("| shape | batch | greedy ms | old ms | new ms | old / greedy | new / greedy | agree |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | batch | greedy ms | old ms | new ms | fused ms | old / greedy | new / greedy | fused / greedy | "
+          "agree | agree fused |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in rows:
         print(f"| {r['shape']} | {r['batch']} | {r['greedy_ms']:.3f} | {r['old_ms']:.3f} | {r['new_ms']:.3f} | "
-              f"{r['old_over_greedy']:.2f} | {r['new_over_greedy']:.2f} | {r['agree']:.4f} |")
+              f"{r.get('fused_ms', nan):.3f} | {r['old_over_greedy']:.2f} | {r['new_over_greedy']:.2f} | "
+              f"{r.get('fused_over_greedy', nan):.2f} | {r['agree']:.4f} | {r.get('agree_fused', nan):.4f} |")
     report(dict(rows=rows, old=args.old, torch=torch.__version__,
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu"), args.out)
     leave()

@@ -31,6 +31,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.ops.guard import strip_backend_guards
+from dcp_compile.ops.inlining import KERNELS, lowering_kernels
 from dcp_compile.ops.tree_mask import TreeMarks, strip_tree_positions
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
@@ -87,6 +88,10 @@ class Backend:
     """Check before each call that positions lie in ``[0, max_seq_len)``; costs one
     device-to-host sync per call on GPU, so a call captured in a CUDA graph is refused
     (with the fix) unless this is off."""
+    kernels: str = "inline"
+    """``"inline"``: Inductor emits the attention ops' Triton kernels in its own code;
+    ``"opaque"``: each op stays one call Inductor leaves alone, which compiles faster
+    (``ops.inlining``).  Inductor lowering only; a CPU graph keeps its ops opaque either way."""
     dump_dir: Path | None = None
     """Write each graph's code before and after every pass here."""
     compiled: list[CompiledGraph] = field(default_factory=list, repr=False)
@@ -98,6 +103,8 @@ class Backend:
             raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if self.comm not in COMMS:
             raise ValueError(f"comm must be one of {COMMS}, got {self.comm!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
 
     @property
     def collective_counts(self) -> list[int]:
@@ -266,7 +273,7 @@ class Backend:
         if self.lowering == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            with rank_identical_kernels(self.group.size):
+            with rank_identical_kernels(self.group.size), lowering_kernels(self.kernels):
                 return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -343,6 +350,7 @@ def backend(
     comm: str = "ag",
     cascade: bool = False,
     check_positions: bool = True,
+    kernels: str = "inline",
     dump_dir: str | Path | None = None,
 ) -> Backend:
     """A torch.compile backend for ``role`` (``"target"`` or ``"draft"``) on ``group``."""
@@ -351,6 +359,6 @@ def backend(
     if cascade and role != "target":
         raise ValueError("cascade=True applies to target graphs; draft graphs are never rewritten")
     return Backend(
-        group, role, lowering, verify, comm, cascade, check_positions,
+        group, role, lowering, verify, comm, cascade, check_positions, kernels,
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
     )

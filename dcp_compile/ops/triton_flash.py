@@ -78,6 +78,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
+from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.attention import check_ancestors, window_attention, window_attention_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -484,7 +485,7 @@ def _window_attention_cuda(q, k_new, v_new, positions, scale, lower=None, ancest
 def _window_attention_functional(mode, op, types, args, kwargs):
     q = args[0] if args else kwargs["q"]
     k_new, v_new = (args[1], args[2]) if len(args) > 2 else (kwargs["k_new"], kwargs["v_new"])
-    if q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
+    if not kernels_inlined() or q.device.type != "cuda" or _window_form(k_new, v_new) is window_attention_reference:
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
         return window_attention_any_width(*args, **kwargs)

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
+from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.attention import (
     latent_prefix_attention, latent_prefix_attention_reference, latent_window_attention,
     latent_window_attention_reference,
@@ -272,7 +273,7 @@ def _register_latent(op, reference, kernel) -> None:
     @op.register_torch_dispatch(FunctionalTensorMode)
     def _functional(mode, op_, types, args, kwargs):
         q, latent, rope = (args[:3] if len(args) >= 3 else (kwargs["q"], kwargs["latent"], kwargs["rope"]))
-        if q.device.type != "cuda" or not latent_kernel_fits(q, latent, rope):
+        if not kernels_inlined() or q.device.type != "cuda" or not latent_kernel_fits(q, latent, rope):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         with mode:
             return kernel(*args, **kwargs)

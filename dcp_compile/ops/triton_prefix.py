@@ -77,6 +77,7 @@ import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
 
+from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.attention import prefix_attention, prefix_attention_reference
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
     cache_length, check_inputs, check_lower, flash_config, kernel_width, prefix_flash_triton,
@@ -471,7 +472,7 @@ def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale, kv_start=None):
 def _prefix_attention_functional(mode, op, types, args, kwargs):
     q = args[0] if args else kwargs["q"]
     k_cache, v_cache = (args[1], args[2]) if len(args) > 2 else (kwargs["k_cache"], kwargs["v_cache"])
-    if q.device.type != "cuda" or _cuda_form(q, k_cache, v_cache) is prefix_attention_reference:
+    if not kernels_inlined() or q.device.type != "cuda" or _cuda_form(q, k_cache, v_cache) is prefix_attention_reference:
         # Kept as one opaque op: the reference reads kv_len's largest value, which a
         # traced graph cannot.
         return mode.__torch_dispatch__(op, types, args, kwargs)

@@ -31,65 +31,22 @@ import torch
 import torch.distributed as dist
 
 from dcp_compile.runtime.generate import tokens_prefilled
-from dcp_compile.runtime.sampling import Noise
-from dcp_compile.runtime.spec import SpecDecoder, StepState
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float | None = None
-    """``None``: the decoder's temperature; 0 is greedy."""
-    seed: int | None = None
-    """A generator of the request's own, so that its samples do not depend on the other
-    requests in the batch; ``None`` draws from the engine's shared generator."""
-    eos_id: int | None = None
-    """Ends this request, as the engine's ``stop_ids`` end every request."""
+from dcp_compile.runtime.request import RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
+from dcp_compile.runtime.spec import SpecDecoder
+from dcp_compile.runtime.state import StepState, start_rows, stop_rows
 
 
 @dataclass
-class StepEvent:
-    """What one request did in one ``step``."""
+class _InFlight:
+    """A step launched whose tokens the host has not read yet."""
 
-    tokens: list[int] = field(default_factory=list)
-    """New tokens (EOS included when it ended the request)."""
-    accepted: list[int] = field(default_factory=list)
-    """Draft tokens the target accepted in this step's verify (empty on admission)."""
-    finished_by: str | None = None
-    """``"eos"``, ``"length"`` or ``"aborted"`` when the request ended in this step."""
-
-
-@dataclass
-class RequestOutput:
-    tokens: list[int] = field(default_factory=list)
-    """Generated tokens (target vocabulary), EOS included when it ended the request."""
-    accepted: list[int] = field(default_factory=list)
-    """Per verify step: how many draft tokens the target accepted (0..k)."""
-    finished_by: str = ""
-    """``"eos"``, ``"length"`` or ``"refused"``."""
-    error: str | None = None
-    """Why the request was refused at admission."""
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens per verify step: accepted drafts plus the target's own token."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    temperature: float
-    tokens: list[int] = field(default_factory=list)
-    row: int | None = None
-    fed: int = 0
-    """Prompt tokens already prefilled; the request decodes once all are."""
-
-    @property
-    def decoding(self) -> bool:
-        return self.fed == len(self.prompt)
+    rows: list[tuple[int, _Request]]
+    """The rows it ran for, with the request each served then."""
+    packed: torch.Tensor
+    """``[B, width + 2]``: the emitted tokens, the accept count and whether the device
+    keeps the row going; a pinned host copy on a GPU, filled when ``ready`` is."""
+    width: int
+    ready: torch.cuda.Event | None
 
 
 @dataclass
@@ -104,14 +61,6 @@ class _Plan:
 
 
 _FIELDS = 9  # per row: admit, id, prompt length, max_new_tokens, temperature bits, has seed, seed, eos, abort
-
-
-def cut_at_stop(tokens: list[int], stops: frozenset[int]) -> tuple[list[int], bool]:
-    """``tokens`` up to and including the first one in ``stops``, and whether there was one."""
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1], True
-    return tokens, False
 
 
 def _float_bits(value: float) -> int:
@@ -154,7 +103,9 @@ class SpecEngine:
         self.is_leader = self.group.rank == 0 or not self.leader
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
         self.vocab = decoder.target.vocab_size
-        self.noise = Noise(self.device, decoder.seed, rows=decoder.max_batch)
+        # The decoder's own: its captured steps hold these generators.
+        self.noise = decoder.noise
+        self.noise.reset(decoder.seed)
         self.state: StepState | None = None
         self.rows: list[_Request | None] = [None] * self.B
         self.waiting: deque[_Request] = deque()
@@ -169,6 +120,10 @@ class SpecEngine:
         it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
                           step_seconds=0.0)
+        self.in_flight: _InFlight | None = None
+        """The step launched last, whose tokens the next ``step`` reads (after launching its own)."""
+        self._pinned: list[torch.Tensor] = []
+        self._launches = 0
 
     # ---- requests (rank 0 in leader mode; every rank otherwise)
 
@@ -351,14 +306,20 @@ class SpecEngine:
             events[request.id] = StepEvent(finished_by="aborted")
             self.stats["aborted"] += 1
             self._free(request)
+        if plan.aborts and self.state is not None:
+            stop_rows(self.state, plan.aborts)
         for request in plan.admits:
             self.rows[request.row] = request
             self.noise.seed_row(request.row, request.params.seed)
         self.stats["admitted"] += len(plan.admits)
         if any(r is not None and not r.decoding for r in self.rows):
             self._prefill(events)
-        if any(self._live()):
-            self._decode(events)
+        # The step is launched before the last one's tokens are read, so that the host's
+        # reading and bookkeeping overlap the device's work (``runtime.state``).
+        launched = self._launch() if any(self._live()) else None
+        if self.in_flight is not None:
+            self._collect(self.in_flight, events)
+        self.in_flight = launched
         self.stats["step_seconds"] += time.perf_counter() - start
         return events
 
@@ -373,7 +334,8 @@ class SpecEngine:
             prompts[request.row], admitted[request.row] = request.prompt[request.fed:], True
             temperature[request.row], starts[request.row] = request.temperature, request.fed
         self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state, starts=starts,
-                                              max_chunks=self.prefill_chunks_per_step)
+                                              max_chunks=self.prefill_chunks_per_step,
+                                              stop_width=len(self.stop_ids) + 1)
         done = []
         for request in filling:
             request.fed += tokens_prefilled(len(request.prompt) - request.fed, self.decoder.chunk_size,
@@ -383,37 +345,68 @@ class SpecEngine:
         if not done:
             return
         first = self.state.current.tolist()
+        started = []
         for request in done:
             event = events.setdefault(request.id, StepEvent())
             self._emit(request, [first[request.row]], event)
             if event.finished_by:
                 self._finish(request)
+            else:
+                started.append(request)
+        start_rows(self.state, [r.row for r in started],
+                   [r.params.max_new_tokens - len(r.tokens) for r in started], [self._stops(r) for r in started])
+
+    def _stops(self, request: _Request) -> list[int]:
+        eos = request.params.eos_id
+        return sorted(self.stop_ids if eos is None else self.stop_ids | {eos})
 
     def _finish(self, request: _Request) -> None:
         self.stats["finished"] += 1
         self._free(request)
 
-    def _decode(self, events: dict[int, StepEvent]) -> None:
+    def _launch(self) -> _InFlight:
+        """Run one speculative step for the rows decoding, and queue the copy of its tokens
+        to the host (read by ``_collect`` during the next step)."""
         state, live = self.state, self._live()
-        state.active = torch.tensor(live, device=self.device)
         state.sampling = any(on and r.temperature > 0 for on, r in zip(live, self.rows))
-        new_tokens, accepted, bonus = self.device_step.step(state, self.noise)
-        # The one device-to-host copy of the step, with the commit and the draft queued.
-        width = new_tokens.shape[1]
-        host = torch.cat([new_tokens, accepted[:, None]], 1).tolist()
+        new_tokens, accepted, _ = self.device_step.step(state, self.noise)
+        packed = torch.cat([new_tokens, accepted[:, None], state.active[:, None].long()], 1)
+        ready = None
+        if packed.is_cuda:
+            if not self._pinned:  # two, in turn: one is read while the next is filled
+                self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
+            host = self._pinned[self._launches % 2]
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            packed = host
+        self._launches += 1
         self.stats["verify_steps"] += 1
-        for row, (request, on) in enumerate(zip(self.rows, live)):
-            if not on:
+        rows = [(row, request) for row, (request, on) in enumerate(zip(self.rows, live)) if on]
+        return _InFlight(rows, packed, new_tokens.shape[1], ready)
+
+    def _collect(self, flight: _InFlight, events: dict[int, StepEvent]) -> None:
+        """Read a launched step's tokens (the one device-to-host copy of a step) and hand
+        them to the rows' requests; a request aborted since the launch gets none."""
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        host, width = flight.packed.tolist(), flight.width
+        for row, request in flight.rows:
+            if self.rows[row] is not request:
                 continue
-            a = host[row][width]
+            a, going = host[row][width], host[row][width + 1]
             self.stats["accepted"] += a
             self.stats["row_steps"] += 1
             event = events.setdefault(request.id, StepEvent())
             event.accepted.append(a)
             self._emit(request, host[row][: a + 1], event)
+            if (event.finished_by is None) != bool(going):
+                raise RuntimeError(
+                    f"request {request.id} in row {row}: the host {'ended it' if event.finished_by else 'keeps it'} "
+                    f"after this step but the device {'keeps it going' if going else 'ended it'}; the two read "
+                    f"the same tokens and budget, so this is a bug in dcp_compile.runtime.state")
             if event.finished_by:
                 self._finish(request)
-        self.device_step.advance(state, accepted, bonus, self._live())
 
     # ---- leader mode
 

@@ -46,6 +46,13 @@ class Noise:
         self.rows: set[int] = set()
         """The rows seeded now (the host's view of ``seeded``)."""
 
+    def reset(self, seed: int) -> None:
+        """Start over from ``seed`` with no row seeded, keeping the generators (a captured
+        step holds them)."""
+        self.shared.manual_seed(seed)
+        self.rows.clear()
+        self.seeded.zero_()
+
     def seed_row(self, row: int, seed: int | None) -> None:
         if not 0 <= row < len(self.row_generators):
             raise ValueError(f"Noise: row {row} is outside the {len(self.row_generators)} rows it was made for "
@@ -82,11 +89,7 @@ def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> t
     """One token per row of ``probs [..., V]``, on the device: the first of V exponential
     clocks with rates ``probs`` to ring, ``argmax(probs / E)``, is distributed as
     ``probs``, with no host sync (``torch.multinomial`` on CUDA synchronizes)."""
-    if isinstance(noise, Noise):
-        clocks = noise.exponential(probs)
-    else:
-        clocks = torch.empty_like(probs).exponential_(1.0, generator=noise)
-    return (probs / clocks).argmax(-1)
+    return (probs / exponential_draws(noise, probs)).argmax(-1)
 
 
 def _uniform(noise: Noise | torch.Generator | None, B: int, k: int, device) -> torch.Tensor:
@@ -112,6 +115,7 @@ def accept_chain(
     draft_probs: torch.Tensor | None,
     temperature: float | torch.Tensor,
     generator: Noise | torch.Generator | None,
+    rule=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How many of ``drafts [B, k]`` the target accepts, and the token that follows them.
 
@@ -126,23 +130,39 @@ def accept_chain(
     sample the bonus from ``p_{k+1}``.  The emitted tokens are then distributed exactly
     as the target's own samples (rejection sampling).  Everything stays on the device of
     the logits; ``generator`` must live there too.
+
+    The random numbers are drawn here; ``rule`` (default ``chain_rule``, or a compiled
+    copy of it) takes every decision from them.
     """
+    if draft_probs is None:
+        return greedy_chain(target_logits, drafts)
     B, k = drafts.shape
-    greedy_rows = None
-    if isinstance(temperature, torch.Tensor) or temperature == 0:
-        greedy = target_logits.argmax(-1)  # [B, k+1]
-        matches = (drafts == greedy[:, :k]).long().cumprod(dim=1)
-        greedy_accepted = matches.sum(dim=1)
-        greedy_rows = greedy_accepted, greedy.gather(1, greedy_accepted[:, None])[:, 0]
-        if draft_probs is None:
-            return greedy_rows
+    u = _uniform(generator, B, k, target_logits.device)
+    clocks = exponential_draws(generator, target_logits.new_empty(B, target_logits.shape[-1], dtype=torch.float32))
+    return (rule or chain_rule)(target_logits, drafts, draft_probs, temperature, u, clocks)
+
+
+def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_chain`` at temperature 0."""
+    k = drafts.shape[1]
+    greedy = target_logits.argmax(-1)  # [B, k+1]
+    accepted = (drafts == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    return accepted, greedy.gather(1, accepted[:, None])[:, 0]
+
+
+def chain_rule(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
+               temperature: float | torch.Tensor, u: torch.Tensor,
+               clocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_chain``'s decisions from its random numbers: ``u [B, k]`` uniforms for the
+    drafts, ``clocks [B, V]`` exponentials for the token after them.  No randomness and
+    no host sync, so it compiles into a few fused kernels."""
+    B, k = drafts.shape
     divisor, sampled_rows = row_temperatures(temperature, target_logits)
     # Only the drafts' probabilities and one full row per sequence are read: p at the
     # drafts, and p where the bonus is drawn.
     logp = logprobs_at(target_logits, divisor)  # [B, k+1, V]
     p_d = logp[:, :k].gather(2, drafts[..., None])[..., 0].exp()
     q_d = draft_probs.gather(2, drafts[..., None])[..., 0].float()
-    u = _uniform(generator, B, k, logp.device)
     ok = (u * q_d < p_d).long().cumprod(dim=1)
     accepted = ok.sum(dim=1)
     rows = torch.arange(B, device=logp.device)
@@ -152,7 +172,28 @@ def accept_chain(
     weights = torch.where((accepted == k)[:, None], p, residual)
     # A residual of all zeros (p == q) cannot happen on rejection; guard the division anyway.
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p)
-    bonus = sample_from(weights / weights.sum(-1, keepdim=True), generator)
+    bonus = (weights / weights.sum(-1, keepdim=True) / clocks).argmax(-1)
     if sampled_rows is None:
         return accepted, bonus
-    return torch.where(sampled_rows, accepted, greedy_rows[0]), torch.where(sampled_rows, bonus, greedy_rows[1])
+    greedy_accepted, greedy_bonus = greedy_chain(target_logits, drafts)
+    return torch.where(sampled_rows, accepted, greedy_accepted), torch.where(sampled_rows, bonus, greedy_bonus)
+
+
+def propose_rule(logits: torch.Tensor, ids: torch.Tensor, target_vocab: int, temperature: torch.Tensor,
+                 clocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft token (target ids) from the draft's ``logits [B, V_draft]`` and the draft's
+    distribution over the ``target_vocab`` ids (``ids``: each draft id's target id), with
+    ``clocks [B, target_vocab]`` exponentials; greedy rows take the argmax."""
+    greedy = ids[logits.argmax(-1)]
+    divisor, sampled_rows = row_temperatures(temperature, logits)
+    q_draft = probs_at(logits, divisor)
+    q = torch.zeros(logits.shape[0], target_vocab, dtype=q_draft.dtype, device=logits.device)
+    q = q.index_add(1, ids, q_draft)
+    return torch.where(sampled_rows, (q / clocks).argmax(-1), greedy), q
+
+
+def exponential_draws(noise: Noise | torch.Generator | None, like: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) draws shaped as ``like``, from ``noise`` (row by row) or a generator."""
+    if isinstance(noise, Noise):
+        return noise.exponential(like)
+    return torch.empty_like(like).exponential_(1.0, generator=noise)

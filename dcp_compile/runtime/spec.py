@@ -33,7 +33,6 @@ protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -45,8 +44,10 @@ from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, p
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.tree_mask import TreeCall
-from dcp_compile.runtime.sampling import Noise, accept_chain, probs_at, row_temperatures, sample_from
+from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, probs_at, propose_rule,
+                                          row_temperatures, sample_from)
 from dcp_compile.runtime.tree import TreeShape, default_draft_tokens
+from dcp_compile.runtime.state import StepState, finish_and_advance, idle_state
 from dcp_compile.runtime.step_graph import StepGraph, StepParts
 from dcp_compile.runtime.tree_step import TreeStep
 
@@ -111,6 +112,11 @@ class SpecGraphs:
         if tree is not None:
             self.draft_tree = [torch.compile(TreeCall(draft, staged=True), backend=self.draft_backend, fullgraph=True,
                                              dynamic=False) for _ in range(tree.k - 1)]  # one per depth after the first
+        # The sampler's decisions from its random numbers, fused by Inductor like the
+        # models' graphs (the draws stay outside: a compiled graph takes no generator).
+        fuse = (lambda rule: torch.compile(rule, backend="inductor", fullgraph=True, dynamic=False)) \
+            if lowering == "inductor" else (lambda rule: rule)
+        self.chain_rule, self.propose_rule = fuse(chain_rule), fuse(propose_rule)
         self.commit = KVCommit(target)
         # A group of size 1 verifies a chain in place: there is nothing to commit, and a
         # captured commit would be an empty CUDA graph replayed (with its input copies) every step.
@@ -140,26 +146,6 @@ class SpecGraphs:
     def parts(self) -> StepParts:
         """The step's calls as a step makes them: captured one by one under ``cuda_graphs``."""
         return StepParts(self.target_verify, self.commit_c, self.draft_step, self.draft_tree)
-
-
-@dataclass
-class StepState:
-    """The batch on the device between steps."""
-
-    length: torch.Tensor
-    """``[B]`` committed target tokens; ``current`` sits at position ``length``."""
-    current: torch.Tensor
-    """``[B]`` the last emitted token, not yet in the target's cache."""
-    q_logits: torch.Tensor | None
-    """``[B, V_draft]`` the draft's logits for the next draft token (``None``: no draft)."""
-    hidden: torch.Tensor | None
-    """``[B, 1, H]`` the draft's hidden state they came with."""
-    active: torch.Tensor
-    """``[B]`` bool: rows still generating."""
-    temperature: torch.Tensor
-    """``[B]`` each row's sampling temperature (0: greedy)."""
-    sampling: bool
-    """Whether any row samples (the host knows; all-greedy steps skip the sampler)."""
 
 
 class DeviceStep:
@@ -207,18 +193,14 @@ class DeviceStep:
         """A draft token (target ids) and, when any row samples, the draft's distribution
         over target ids."""
         ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        greedy = ids[logits.argmax(-1)]
         if not sampling:
-            return greedy, None
-        divisor, sampled_rows = row_temperatures(temperature, logits)
-        q_draft = probs_at(logits, divisor)
-        q = torch.zeros(logits.shape[0], self.target_vocab, dtype=q_draft.dtype, device=logits.device)
-        q = q.index_add_(1, ids, q_draft)
-        return torch.where(sampled_rows, sample_from(q, noise), greedy), q
+            return ids[logits.argmax(-1)], None
+        clocks = exponential_draws(noise, logits.new_empty(logits.shape[0], self.target_vocab, dtype=torch.float32))
+        return self.graphs.propose_rule(logits, ids, self.target_vocab, temperature, clocks)
 
     def prefill(self, prompts: Sequence[Sequence[int]], admitted: Sequence[bool], temperature: Sequence[float],
                 noise: Noise, state: StepState | None = None, *, starts: Sequence[int] | None = None,
-                max_chunks: int | None = None) -> StepState:
+                max_chunks: int | None = None, stop_width: int = 1) -> StepState:
         """Feed the ``admitted`` rows' prompts chunk by chunk through the target and then
         the draft, while the other rows keep what ``state`` holds for them.
 
@@ -227,13 +209,14 @@ class DeviceStep:
         ``max_chunks``: stop after that many chunks; a row whose prompt is not done then
         has its length at the next chunk's first position (its later, ignored steps
         write only slots that chunk overwrites before anything reads them), and only
-        the rows that ended take their first token.
+        the rows that ended take their first token.  ``stop_width``: a new state's stop ids per row.
 
         The draft's chunk reads the target's features of the same chunk and the token one
         ahead; at a row's last prompt position that token is the one just sampled, so the
         draft runs after the target's logits are in.  The state then holds, per admitted
         row, the token sampled after the prompt and the draft's logits and hidden state at
-        the prompt's last position, which propose the first draft token.
+        the prompt's last position, which propose the first draft token.  No row of a
+        new state is active: ``state.start_rows`` starts the rows whose prompt is in.
 
         Every chunk is ``[max_batch, chunk_size]``, so the rows not admitted run too: a
         running row's chunk sits at positions past its committed length (slots that a
@@ -269,7 +252,8 @@ class DeviceStep:
         fed = [tokens_prefilled(len(p), self.chunk_size, max_chunks) for p in prompts]
         lengths = starts_t + torch.tensor(fed, device=self.device)
         if state is None:
-            return StepState(lengths, current, q_logits, hidden, admitted_t, temperature_t, sampling)
+            active, remaining, stops = idle_state(len(prompts), self.device, stops=stop_width)
+            return StepState(lengths, current, q_logits, hidden, active, temperature_t, sampling, remaining, stops)
         state.length = torch.where(admitted_t, lengths, state.length)
         state.current, state.q_logits, state.hidden = current, q_logits, hidden
         state.temperature = torch.where(admitted_t, temperature_t, state.temperature)
@@ -283,7 +267,8 @@ class DeviceStep:
         """Draft, verify, accept, commit and draft-extend once.  Returns ``(new_tokens [B,
         k+1], accepted [B], bonus [B])``: row ``b`` emits ``new_tokens[b, :accepted[b] + 1]``,
         valid until the next step (a captured step returns its own buffers).
-        ``state`` keeps the pre-step ``length`` and ``current`` until ``advance``.
+        The step moves ``state`` on (``state.finish_and_advance``): rows past their
+        tokens, rows that met a stop id or their budget ended.
 
         With a ``step_graph`` the whole step is one replay; without one the calls are
         made one by one, captured or not."""
@@ -295,12 +280,19 @@ class DeviceStep:
     def run_step(self, state: StepState, noise: Noise,
                  parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's work through ``parts``, with no host sync (but the rank check's)."""
-        g, k, rows, steps = parts, self.k, self.rows, self.steps
         if self.draft is None:
-            return self._plain_step(state, noise, parts)
-        if self.tree is not None:
+            outputs = self._plain_step(state, noise, parts)
+        elif self.tree is not None:
             check = (lambda *a: self.check_ranks_agree(self.verify_steps, *a)) if self.check_ranks else None
-            return self.tree.run(state, noise, parts, check)
+            outputs = self.tree.run(state, noise, parts, check)
+        else:
+            outputs = self._chain_step(state, noise, parts)
+        finish_and_advance(state, *outputs)
+        return outputs
+
+    def _chain_step(self, state: StepState, noise: Noise,
+                    parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, k, rows, steps = parts, self.k, self.rows, self.steps
         q_logits, hidden = state.q_logits, state.hidden
         drafts, draft_probs = [], []
         for j in range(k):
@@ -315,7 +307,7 @@ class DeviceStep:
         verify_positions = state.length[:, None] + steps
         logits, features = g.target_verify(verify_tokens, verify_positions)
         probs = torch.stack(draft_probs, dim=1) if state.sampling else None
-        accepted, bonus = accept_chain(logits, drafts, probs, state.temperature, noise)
+        accepted, bonus = accept_chain(logits, drafts, probs, state.temperature, noise, self.graphs.chain_rule)
         accepted = torch.where(state.active, accepted, 0)
         if self.check_ranks:
             self.check_ranks_agree(self.verify_steps, logits, drafts, accepted, bonus)
@@ -340,14 +332,6 @@ class DeviceStep:
         if parts.commit_c is not None:
             parts.commit_c(state.length, state.active.long())
         return bonus[:, None], accepted, bonus
-
-    def advance(self, state: StepState, accepted: torch.Tensor, bonus: torch.Tensor, live: list[bool]) -> None:
-        """Move the rows the host still serves past the step's tokens.  A row that
-        finished stays where it was: its later (ignored) verify windows must not run past
-        the cache it was admitted for."""
-        state.active = torch.tensor(live, device=self.device)
-        state.length = torch.where(state.active, state.length + accepted + 1, state.length)
-        state.current = torch.where(state.active, bonus, state.current)
 
 
 class SpecDecoder:
@@ -429,6 +413,9 @@ class SpecDecoder:
         self.chunk_size = chunk_size
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
+        self.noise = Noise(self.device, seed, rows=max_batch)
+        """The sampler's generators, which every engine over this decoder starts over from
+        ``seed`` (``engine.SpecEngine``; one engine at a time)."""
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                             lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape)
         self.graphs = graphs

@@ -12,11 +12,14 @@ copies, one replay and the caller's one read of the emitted tokens.
 
 What the graph holds fixed, and who changes it:
 
-- **Inputs** are static buffers: the state's ``length``, ``current``, ``q_logits``,
-  ``hidden``, ``active`` and ``temperature`` are copied in before each replay, so rows
-  that join, finish or are aborted change inputs, never the graph.  The draft's next
-  ``q_logits`` and ``hidden`` are written back into their own input buffers inside the
-  graph, and the state points at them after the step: the next step copies nothing there.
+- **Inputs** are static buffers: the state's tensors (``length``, ``current``, the
+  draft's ``q_logits`` and ``hidden``, ``active``, ``temperature``, ``remaining``,
+  ``stops``) are copied in before a replay when they are not those buffers already, so
+  rows that join, finish or are aborted change inputs, never the graph.  What the step
+  changes (the draft's next logits and hidden state, the rows moved on and ended:
+  ``state.finish_and_advance``) it writes back into its own input buffers inside the
+  graph, and the state points at them after the step: a step that follows a step copies
+  nothing in, and the host may launch it before it reads the first one's tokens.
 - **Random numbers** come from the batch's generator (``Noise.shared``) and, while any
   row is seeded, from every row's own generator (``Noise.row_generators``, reseeded in
   place for each request), all registered with the graph: each replay advances them as
@@ -46,7 +49,7 @@ import torch
 from dcp_compile.runtime.cuda_graphs import capture
 from dcp_compile.runtime.sampling import Noise
 
-_STATE_INPUTS = ("length", "current", "q_logits", "hidden", "active", "temperature")
+_STATE_INPUTS = ("length", "current", "q_logits", "hidden", "active", "temperature", "remaining", "stops")
 
 
 class StepParts(NamedTuple):
@@ -66,6 +69,7 @@ class _Step:
 
     inputs: dict[str, torch.Tensor | None]
     run: Callable[[], tuple]
+    noise: Noise
     graph: object | None = None
     outputs: tuple | None = None
 
@@ -87,6 +91,9 @@ class StepGraph:
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = self._prepare(state, noise)
+        if noise is not step.noise:
+            raise ValueError("StepGraph: this step was captured drawing from another Noise; a captured step holds its "
+                             "generators, so pass the one it was captured with (SpecDecoder.noise) and reset it")
         _load(step.inputs, state)
         if step.graph is not None:
             step.graph.replay()
@@ -94,7 +101,8 @@ class StepGraph:
         else:
             outputs = step.run()
         self.replays += 1
-        state.q_logits, state.hidden = step.inputs["q_logits"], step.inputs["hidden"]
+        for name, buffer in step.inputs.items():
+            setattr(state, name, buffer)
         return outputs
 
     def _prepare(self, state, noise: Noise) -> _Step:
@@ -106,12 +114,13 @@ class StepGraph:
         def run() -> tuple:
             inner = replace(state, sampling=sampling, **inputs)
             outputs = self.run_step(inner, noise)
-            if inputs["q_logits"] is not None:  # the draft's next proposal, into its own input buffers
-                inputs["q_logits"].copy_(inner.q_logits)
-                inputs["hidden"].copy_(inner.hidden)
+            for name, buffer in inputs.items():  # what the step changed, into its own input buffers
+                value = getattr(inner, name)
+                if value is not buffer:
+                    buffer.copy_(value)
             return outputs
 
-        step = _Step(inputs, run)
+        step = _Step(inputs, run, noise)
         if self.capture:
             generators = [noise.shared] + (noise.row_generators if noise.rows else [])
             step.graph, step.outputs = capture(run, pool=self.pool, warmup=self.warmup, generators=generators)

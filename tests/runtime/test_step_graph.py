@@ -2,7 +2,8 @@
 calls made one by one decode: chain and tree, greedy and sampled rows (seeded on their own
 and not) in one batch, EOS, rows that finish, arrive and are aborted; and the loop reads
 the device once per step.  On CPU the step graph runs the step over its static buffers,
-uncaptured; the GPU check (``benchmarks/gpu_tree_check.py``) captures it."""
+uncaptured; the GPU check (``benchmarks/gpu_tree_check.py``) captures it.  The loop launches
+each step before it reads the last one's tokens, and the device ends rows where the host does."""
 
 import sys
 
@@ -58,6 +59,23 @@ def test_the_step_graph_decodes_what_the_calls_decode(shape):
     assert set(one_by_one["ends"]) == {"length", "eos", "aborted"}, one_by_one["ends"]
 
 
+def test_every_engine_over_a_decoder_starts_from_its_seed():
+    """A captured step holds its generators: a second engine over the same decoder must
+    start them over, so that sampled decoding repeats call after call, with or without a
+    request's own seed."""
+    decoder = make_decoder(SHAPES["chain"], step_graph=True)
+    traffic = [(0, PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0.9)),
+               (0, PROMPTS[1], SamplingParams(max_new_tokens=12, temperature=0.9, seed=3))]
+    first = run(SpecEngine(decoder), traffic)
+    engine = SpecEngine(decoder)
+    assert run(engine, traffic) == first
+    other = Noise("cpu", 0, rows=3)
+    other.seed_row(1, 3)
+    engine.state.sampling = True
+    with pytest.raises(ValueError, match="captured drawing from another Noise"):
+        decoder.device_step.step(engine.state, other)
+
+
 def test_a_seeded_row_draws_from_its_own_generator_alone():
     """A row's numbers depend on its seed, not on the other rows' seeds or the shared stream."""
     like = torch.empty(3, 5)
@@ -102,6 +120,13 @@ def test_the_step_graph_loop_reads_the_device_once_per_step():
 
         return read
 
+    step = decoder.device_step.step
+
+    def launched(*args):
+        reads.append("step")
+        return step(*args)
+
+    decoder.device_step.step = launched
     try:
         for name in names:
             setattr(torch.Tensor, name, counted(name))
@@ -111,5 +136,47 @@ def test_the_step_graph_loop_reads_the_device_once_per_step():
         for name, original in saved.items():
             setattr(torch.Tensor, name, original)
     steps = max(len(o.accepted) for o in outputs)
-    assert steps > 3 and decoder.device_step.step_graph.replays == steps
-    assert reads == ["tolist"] * (steps + 1), reads
+    # Each step is launched before the last one's tokens are read, so one more step runs
+    # than the rows took part in: the one launched before the host read that all had ended.
+    assert steps > 3 and decoder.device_step.step_graph.replays == steps + 1
+    assert reads == ["tolist", "step"] + ["step", "tolist"] * steps, reads
+
+
+def test_a_step_moves_rows_on_and_ends_them_where_the_host_would():
+    """``finish_and_advance``: stop ids count only among the emitted tokens; a row that
+    ends or was inactive stays where it was."""
+    from dcp_compile.runtime.state import StepState, finish_and_advance, start_rows, stop_rows
+
+    B = 5
+    state = StepState(length=torch.full((B,), 10), current=torch.zeros(B, dtype=torch.long), q_logits=None,
+                      hidden=None, active=torch.zeros(B, dtype=torch.bool), temperature=torch.zeros(B),
+                      sampling=False, remaining=torch.zeros(B, dtype=torch.long),
+                      stops=torch.full((B, 2), -1, dtype=torch.long))
+    start_rows(state, [0, 1, 2, 3], remaining=[10, 10, 2, 10], stops=[[7], [7, 9], [], [7]])
+    new_tokens = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 7, 4], [1, 2, 3, 7], [7, 7, 7, 7]])
+    accepted = torch.tensor([3, 3, 3, 2, 3])
+    bonus = new_tokens[torch.arange(B), accepted]
+    finish_and_advance(state, new_tokens, accepted, bonus)
+    # row 0 goes on; 1 met 9; 2 spent its budget of 2; 3's 7 lies past its accepted
+    # tokens; 4 was never started
+    assert state.active.tolist() == [True, False, False, True, False]
+    assert state.length.tolist() == [14, 10, 10, 13, 10]
+    assert state.remaining.tolist() == [6, 10, 2, 7, 0]
+    assert state.current.tolist() == [4, 0, 0, 3, 0]
+    stop_rows(state, [3])
+    assert state.active.tolist() == [True, False, False, False, False]
+    with pytest.raises(ValueError, match="up to 2 stop ids"):
+        start_rows(state, [4], remaining=[1], stops=[[1, 2, 3]])
+
+
+def test_the_engine_refuses_a_device_that_ends_rows_the_host_keeps():
+    """The host and the device decide each row's end from the same tokens; the engine
+    checks every step, so a device state that drifts fails loudly, not silently."""
+    decoder = make_decoder(SHAPES["chain"], step_graph=True)
+    engine = SpecEngine(decoder)
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=40))
+    engine.step()  # the prefill and the first step
+    engine.state.remaining.fill_(1)  # the device now ends the row after the next step
+    with pytest.raises(RuntimeError, match="the device ended it"):
+        for _ in range(3):
+            engine.step()
