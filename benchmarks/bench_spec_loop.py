@@ -3,6 +3,7 @@ the whole step in one graph against its calls captured one by one.
 
     python3 benchmarks/bench_spec_loop.py --out $OUT/spec_loop.json            # one GPU, 8B-shaped target
     python3 benchmarks/bench_spec_loop.py --small --device cpu                  # the script itself, on CPU
+    python3 benchmarks/bench_spec_loop.py --kernels inline opaque               # and the attention kernels' two forms
 
 One GPU (a group of one), ``SpecDecoder(cuda_graphs=True)``, a Llama-3-8B-shaped target
 (32 layers, vocabulary 128,256, random weights, bf16) with an EAGLE3 draft (draft
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -94,7 +96,7 @@ def step_graph_ms(step_graph, sampling: bool, reps: int) -> float:
     return median_ms(step_graph.steps[(sampling, False)].graph.replay, reps)
 
 
-def measure(batch: int, args, device) -> dict:
+def measure(batch: int, kernels: str, args, device) -> dict:
     base = SMALL if args.small else llama3_8b_shape()
     max_seq_len = args.prompt_len + args.new + 2 * (args.k + 1)
     cfg = dataclasses.replace(base, max_batch=batch, max_seq_len=max_seq_len)
@@ -107,11 +109,12 @@ def measure(batch: int, args, device) -> dict:
     graphs = device.type == "cuda"
     log(f"batch {batch}: building the decoder (compiles on first use)")
     decoder = dcp.SpecDecoder(target, draft, single, k=args.k, max_batch=batch, max_seq_len=max_seq_len,
-                              cuda_graphs=graphs, step_graph=True, lowering="inductor" if graphs else "aot_eager")
+                              cuda_graphs=graphs, step_graph=True, lowering="inductor" if graphs else "aot_eager",
+                              kernels=kernels)
     whole = decoder.device_step.step_graph
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
-    point = dict(batch=batch, k=args.k, prompt_len=args.prompt_len, vocab=cfg.vocab_size, layers=cfg.n_layers)
+    point = dict(batch=batch, kernels=kernels, k=args.k, prompt_len=args.prompt_len, vocab=cfg.vocab_size, layers=cfg.n_layers)
     for temperature in args.temperatures:
         decoder.temperature = temperature
         tokens = {}
@@ -140,15 +143,15 @@ ARMS = ("one_graph", "calls")
 
 
 def print_table(points: list[dict], temperatures) -> None:
-    print("| batch | temperature | step graph ms | loop, one graph ms | loop / step graph | loop, calls ms | "
+    print("| batch | kernels | temperature | step graph ms | loop, one graph ms | loop / step graph | loop, calls ms | "
           "calls / one graph | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in points:
         for temperature in temperatures:
             t = f"t{temperature}"
             graph = p.get(f"step_graph_ms_{t}", float("nan"))
             one, calls = p[f"loop_ms_one_graph_{t}"], p[f"loop_ms_calls_{t}"]
-            print(f"| {p['batch']} | {temperature} | {graph:.3f} | {one:.3f} | {one / graph:.3f} | {calls:.3f} | "
+            print(f"| {p['batch']} | {p['kernels']} | {temperature} | {graph:.3f} | {one:.3f} | {one / graph:.3f} | {calls:.3f} | "
                   f"{calls / one:.3f} | {p[f'arms_agree_{t}']} |")
 
 
@@ -156,6 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--kernels", nargs="+", choices=("inline", "opaque"), default=["inline"],
+                        help="the attention kernels under Inductor: a decoder per batch and choice, in turn")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new", type=int, default=64, help="new tokens of the long run (the short one: a quarter)")
@@ -175,10 +180,14 @@ def main() -> None:
         pass
     points = []
     for batch in args.batches:
-        points.append(measure(batch, args, device))
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for kernels in args.kernels:
+            points.append(measure(batch, kernels, args, device))
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if args.out:  # each point as it lands: a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(dict(env=env, points=points), f, indent=1)
     print_table(points, args.temperatures)
     report(dict(env=env, points=points), args.out)
     leave()

@@ -93,3 +93,17 @@ def test_a_target_without_attention_over_its_cache_is_refused():
     with pytest.raises(ValueError, match="the target graph holds no attention over a KV cache"), torch.no_grad():
         target_backend(1)(gm, inputs)
 
+
+
+def test_the_kernels_choice_is_checked_and_holds_only_while_a_graph_lowers():
+    from dcp_compile.ops.inlining import kernels_inlined, lowering_kernels
+
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        dcp.backend(dcp.DCPGroup(1, 0, CPU, None), kernels="fused")
+    assert kernels_inlined()
+    with lowering_kernels("opaque"):
+        assert not kernels_inlined()
+        with lowering_kernels("inline"):
+            assert kernels_inlined()
+        assert not kernels_inlined()
+    assert kernels_inlined()

@@ -1,11 +1,11 @@
 """Whether a compile inlines the attention ops' Triton kernels into Inductor's code.
 
 Inlined (the default), Inductor sees the kernels themselves (``triton_prefix.py`` says
-how): no Python dispatch between them, and their buffers planned with the rest.  The
-price is compile time: Inductor analyses and compiles every launch site of every graph.
-Opaque, each op is one call that Inductor leaves alone and Triton compiles once per
-kernel at its first launch (cached on disk across processes); inside a CUDA graph the
-call's Python dispatch is paid at capture, not at replay.
+how): no Python dispatch between them, and their buffers planned with the rest; Inductor
+analyses and compiles every launch site of every graph.  Opaque, each op is one call
+that Inductor leaves alone and Triton compiles once per kernel at its first launch
+(cached on disk across processes); inside a CUDA graph the call's Python dispatch is
+paid at capture, not at replay.  ``benchmarks/bench_compile.py`` compares the two.
 
 The choice is bound when a backend lowers a graph (``dcp.backend(..., kernels=...)``)
 and read only while Inductor traces it: nothing reads it at run time.

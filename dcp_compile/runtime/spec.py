@@ -43,6 +43,7 @@ from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks, tokens_prefilled
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
+from dcp_compile.ops.inlining import KERNELS
 from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, probs_at, propose_rule,
                                           row_temperatures, sample_from)
@@ -82,7 +83,7 @@ class SpecGraphs:
     changes the models for good."""
 
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
-                 comm: str, cuda_graphs: bool, tree: TreeShape | None = None):
+                 comm: str, cuda_graphs: bool, tree: TreeShape | None = None, kernels: str = "inline"):
         device = group.device
         verify_tokens = k + 1 if tree is None else tree.verify_tokens
         prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=verify_tokens,
@@ -98,8 +99,8 @@ class SpecGraphs:
         # Captured steps cannot sync to check positions on the host; admission control
         # already keeps every request inside the cache.
         checked = not cuda_graphs
-        self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm)
-        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm,
+        self.target_backend = make_backend(group, "target", lowering=lowering, comm=comm, kernels=kernels)
+        self.verify_backend = make_backend(group, "target", verify=True, lowering=lowering, comm=comm, kernels=kernels,
                                            check_positions=checked)
         self.target_prefill = torch.compile(target, backend=self.target_backend, fullgraph=True, dynamic=False)
         # A tree's verify and draft depths take its ancestor mask beside the positions.
@@ -107,7 +108,8 @@ class SpecGraphs:
         self.target_verify = torch.compile(verified, backend=self.verify_backend, fullgraph=True, dynamic=False)
         self.draft_backend = self.draft_forward = self.draft_tree = None
         if draft is not None:
-            self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked)
+            self.draft_backend = make_backend(group, "draft", lowering=lowering, check_positions=checked,
+                                              kernels=kernels)
             self.draft_forward = torch.compile(draft, backend=self.draft_backend, fullgraph=True, dynamic=False)
         if tree is not None:
             self.draft_tree = [torch.compile(TreeCall(draft, staged=True), backend=self.draft_backend, fullgraph=True,
@@ -188,15 +190,14 @@ class DeviceStep:
         divisor, sampled_rows = row_temperatures(temperature, logits)
         return torch.where(sampled_rows, sample_from(probs_at(logits, divisor), noise), greedy)
 
-    def propose(self, logits: torch.Tensor, temperature: torch.Tensor, sampling: bool,
-                noise: Noise) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft token (target ids) and, when any row samples, the draft's distribution
-        over target ids."""
-        ids = self.draft.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+    def propose(self, logits: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, sampling: bool,
+                noise: Noise) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A draft token (target ids; ``ids``: each draft id's) and, when any row samples,
+        its draft id and the draft's distribution over its own vocabulary."""
         if not sampling:
-            return ids[logits.argmax(-1)], None
-        clocks = exponential_draws(noise, logits.new_empty(logits.shape[0], self.target_vocab, dtype=torch.float32))
-        return self.graphs.propose_rule(logits, ids, self.target_vocab, temperature, clocks)
+            return ids[logits.argmax(-1)], None, None
+        clocks = exponential_draws(noise, logits.new_empty(logits.shape, dtype=torch.float32))
+        return self.graphs.propose_rule(logits, ids, temperature, clocks)
 
     def prefill(self, prompts: Sequence[Sequence[int]], admitted: Sequence[bool], temperature: Sequence[float],
                 noise: Noise, state: StepState | None = None, *, starts: Sequence[int] | None = None,
@@ -294,10 +295,12 @@ class DeviceStep:
                     parts: StepParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, k, rows, steps = parts, self.k, self.rows, self.steps
         q_logits, hidden = state.q_logits, state.hidden
-        drafts, draft_probs = [], []
+        ids = self.draft.to_target_ids(torch.arange(q_logits.shape[-1], device=q_logits.device))
+        drafts, indices, draft_probs = [], [], []
         for j in range(k):
-            token, q = self.propose(q_logits, state.temperature, state.sampling, noise)
+            token, index, q = self.propose(q_logits, ids, state.temperature, state.sampling, noise)
             drafts.append(token)
+            indices.append(index)
             draft_probs.append(q)
             if j < k - 1:
                 step_logits, step_hidden = g.draft_step(token[:, None], (state.length + j)[:, None], hidden)
@@ -306,8 +309,9 @@ class DeviceStep:
         verify_tokens = torch.cat([state.current[:, None], drafts], dim=1)
         verify_positions = state.length[:, None] + steps
         logits, features = g.target_verify(verify_tokens, verify_positions)
-        probs = torch.stack(draft_probs, dim=1) if state.sampling else None
-        accepted, bonus = accept_chain(logits, drafts, probs, state.temperature, noise, self.graphs.chain_rule)
+        probs, index = (torch.stack(draft_probs, 1), torch.stack(indices, 1)) if state.sampling else (None, None)
+        accepted, bonus = accept_chain(logits, drafts, probs, state.temperature, noise, self.graphs.chain_rule,
+                                       draft_index=index, vocab_map=ids)
         accepted = torch.where(state.active, accepted, 0)
         if self.check_ranks:
             self.check_ranks_agree(self.verify_steps, logits, drafts, accepted, bonus)
@@ -353,7 +357,8 @@ class SpecDecoder:
     decoding without speculation, one token per step through the same engine (the
     target needs no features then).
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
-    ``dcp.backend``).  ``cuda_graphs``: capture the step in CUDA graphs once per shape
+    ``dcp.backend``).  ``kernels``: ``"inline"`` or ``"opaque"`` attention kernels under
+    Inductor (``dcp.backend``, ``ops.inlining``).  ``cuda_graphs``: capture the step in CUDA graphs once per shape
     and replay it: with ``step_graph`` (the default then) the whole step is one graph
     (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
     draft extend and step or depths) one by one, the glue between them uncaptured.  On a
@@ -385,6 +390,7 @@ class SpecDecoder:
         seed: int = 0,
         lowering: str = "inductor",
         comm: str = "ag",
+        kernels: str = "inline",
         cuda_graphs: bool = False,
         step_graph: bool | None = None,
         check_ranks: bool = False,
@@ -395,6 +401,8 @@ class SpecDecoder:
         shape = self._tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         if draft is not None:
             self._check_pair(target, draft)
         if cuda_graphs and group.device.type != "cuda":
@@ -417,7 +425,7 @@ class SpecDecoder:
         """The sampler's generators, which every engine over this decoder starts over from
         ``seed`` (``engine.SpecEngine``; one engine at a time)."""
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
-                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape)
+                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels)
         self.graphs = graphs
         self.target_backend, self.verify_backend, self.draft_backend = (
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
