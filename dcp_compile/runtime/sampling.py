@@ -208,3 +208,10 @@ def exponential_draws(noise: Noise | torch.Generator | None, like: torch.Tensor)
     if isinstance(noise, Noise):
         return noise.exponential(like)
     return torch.empty_like(like).exponential_(1.0, generator=noise)
+
+
+def fused(rule, lowering: str):
+    """One of the sampler's rules (``chain_rule``, ``propose_rule``: decisions from random
+    numbers) compiled by Inductor like the models' graphs, when they are; the draws stay
+    outside, since a compiled graph takes no generator."""
+    return torch.compile(rule, backend="inductor", fullgraph=True, dynamic=False) if lowering == "inductor" else rule

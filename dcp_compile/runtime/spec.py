@@ -45,8 +45,8 @@ from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.inlining import KERNELS
 from dcp_compile.ops.tree_mask import TreeCall
-from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, probs_at, propose_rule,
-                                          row_temperatures, sample_from)
+from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, fused, probs_at,
+                                          propose_rule, row_temperatures, sample_from)
 from dcp_compile.runtime.tree import TreeShape, default_draft_tokens
 from dcp_compile.runtime.state import StepState, finish_and_advance, idle_state
 from dcp_compile.runtime.step_graph import StepGraph, StepParts
@@ -114,11 +114,7 @@ class SpecGraphs:
         if tree is not None:
             self.draft_tree = [torch.compile(TreeCall(draft, staged=True), backend=self.draft_backend, fullgraph=True,
                                              dynamic=False) for _ in range(tree.k - 1)]  # one per depth after the first
-        # The sampler's decisions from its random numbers, fused by Inductor like the
-        # models' graphs (the draws stay outside: a compiled graph takes no generator).
-        fuse = (lambda rule: torch.compile(rule, backend="inductor", fullgraph=True, dynamic=False)) \
-            if lowering == "inductor" else (lambda rule: rule)
-        self.chain_rule, self.propose_rule = fuse(chain_rule), fuse(propose_rule)
+        self.chain_rule, self.propose_rule = fused(chain_rule, lowering), fused(propose_rule, lowering)
         self.commit = KVCommit(target)
         # A group of size 1 verifies a chain in place: there is nothing to commit, and a
         # captured commit would be an empty CUDA graph replayed (with its input copies) every step.
@@ -192,8 +188,7 @@ class DeviceStep:
 
     def propose(self, logits: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, sampling: bool,
                 noise: Noise) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """A draft token (target ids; ``ids``: each draft id's) and, when any row samples,
-        its draft id and the draft's distribution over its own vocabulary."""
+        """A draft token's target id (``ids``: each draft id's) and, sampling, its draft id and ``q``."""
         if not sampling:
             return ids[logits.argmax(-1)], None, None
         clocks = exponential_draws(noise, logits.new_empty(logits.shape, dtype=torch.float32))
@@ -357,8 +352,9 @@ class SpecDecoder:
     decoding without speculation, one token per step through the same engine (the
     target needs no features then).
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
-    ``dcp.backend``).  ``kernels``: ``"inline"`` or ``"opaque"`` attention kernels under
-    Inductor (``dcp.backend``, ``ops.inlining``).  ``cuda_graphs``: capture the step in CUDA graphs once per shape
+    ``dcp.backend``).  ``kernels``: the attention kernels under Inductor, ``"inline"`` or
+    ``"opaque"`` (``dcp.backend``, ``ops.inlining``); unset, opaque when ``cuda_graphs``
+    captures the step (an op's dispatch is then paid at capture alone) and inline otherwise.  ``cuda_graphs``: capture the step in CUDA graphs once per shape
     and replay it: with ``step_graph`` (the default then) the whole step is one graph
     (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
     draft extend and step or depths) one by one, the glue between them uncaptured.  On a
@@ -390,7 +386,7 @@ class SpecDecoder:
         seed: int = 0,
         lowering: str = "inductor",
         comm: str = "ag",
-        kernels: str = "inline",
+        kernels: str | None = None,
         cuda_graphs: bool = False,
         step_graph: bool | None = None,
         check_ranks: bool = False,
@@ -399,19 +395,9 @@ class SpecDecoder:
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
         shape = self._tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         if draft is not None:
             self._check_pair(target, draft)
-        if cuda_graphs and group.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
-        if step_graph and check_ranks:
-            raise ValueError("step_graph=True and check_ranks=True: the rank check compares every step's decisions on "
-                             "the host, inside the step a graph would hold; pass one of the two (check_ranks with "
-                             "step_graph=None runs the calls one by one)")
-        step_graph = cuda_graphs and not check_ranks if step_graph is None else step_graph
+        step_graph, kernels = self._check_options(group, temperature, kernels, cuda_graphs, step_graph, check_ranks)
         # Every argument is checked above: nothing below may fail on one, since prepare
         # changes the models for good.
         self.target, self.draft, self.group = target, draft, group
@@ -422,8 +408,7 @@ class SpecDecoder:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = group.device
         self.noise = Noise(self.device, seed, rows=max_batch)
-        """The sampler's generators, which every engine over this decoder starts over from
-        ``seed`` (``engine.SpecEngine``; one engine at a time)."""
+        """The sampler's generators; each ``SpecEngine`` starts them over from ``seed`` (one at a time)."""
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                             lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels)
         self.graphs = graphs
@@ -437,6 +422,23 @@ class SpecDecoder:
         if step_graph:
             self.device_step.step_graph = self._step_graph(cuda_graphs)
             self.graph_runners = [self.device_step.step_graph, *graphs.graph_runners]
+
+    @staticmethod
+    def _check_options(group, temperature, kernels, cuda_graphs, step_graph, check_ranks) -> tuple[bool, str]:
+        """``step_graph`` and ``kernels`` with their defaults filled in, or ``ValueError``."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if kernels is not None and kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS} or None, got {kernels!r}")
+        if cuda_graphs and group.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this group computes on {group.device}")
+        if step_graph and check_ranks:
+            raise ValueError("step_graph=True and check_ranks=True: the rank check compares every step's decisions on "
+                             "the host, inside the step a graph would hold; pass one of the two (check_ranks with "
+                             "step_graph=None runs the calls one by one)")
+        step_graph = cuda_graphs and not check_ranks if step_graph is None else step_graph
+        # Captured, an opaque op's dispatch is paid once (same step time, half the compile: BENCHMARKS.md).
+        return step_graph, kernels or ("opaque" if cuda_graphs else "inline")
 
     def _step_graph(self, capture: bool) -> StepGraph:
         """The whole step over the uncaptured compiled graphs, as one graph (``capture``)."""

@@ -180,3 +180,15 @@ def test_the_engine_refuses_a_device_that_ends_rows_the_host_keeps():
     with pytest.raises(RuntimeError, match="the device ended it"):
         for _ in range(3):
             engine.step()
+
+
+def test_a_captured_step_takes_the_attention_kernels_opaque_unless_asked():
+    """Captured, an op's dispatch is paid once, so the compile-cheaper opaque kernels are
+    the default there; uncaptured calls keep them inlined."""
+    options = dcp.SpecDecoder._check_options
+    cuda, cpu = dcp.DCPGroup(1, 0, torch.device("cuda"), None), dcp.init_group("cpu")
+    assert options(cuda, 0.0, None, True, None, False) == (True, "opaque")
+    assert options(cuda, 0.0, "inline", True, None, False) == (True, "inline")
+    assert options(cpu, 0.0, None, False, None, False) == (False, "inline")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        options(cpu, 0.0, "fused", False, None, False)
