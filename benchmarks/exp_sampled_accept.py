@@ -10,9 +10,9 @@ modules of their own.  For each batch, the
 chain (``accept_chain``, k=3, the draft's distribution over the target vocabulary) and a
 tree (``accept_sampled``, 6,4,16), at temperature 0.8 on random bf16 logits:
 
-- **old**, **new**: the sampled acceptance; **fused** (the chain): the new one with its
-  decisions compiled by Inductor (``sampling.chain_rule``, as ``SpecDecoder`` runs it on
-  a GPU); **greedy**: the greedy acceptance of the same
+- **old**, **new**: the sampled acceptance; **fused**: the new one with its decisions
+  compiled by Inductor apart from its draws (``sampling.chain_rule``, ``tree.accept_sampled``
+  over ``tree.draw``, as ``SpecDecoder`` runs them on a GPU); **greedy**: the greedy acceptance of the same
   shape, the floor a sampled step is held to;
 - each captured in a CUDA graph (the generator registered, as in the one-graph step) and
   timed by its replays, median of ``--reps``; on CPU, the host clock;
@@ -106,9 +106,12 @@ def measure(batch: int, args, old, device) -> list[dict]:
     shape = TreeShape(6, 4, 16)
     t = random_tree(shape, batch, V, device)
     tree_logits = (3 * torch.randn(batch, shape.verify_tokens, V, generator=gen, device=device)).to(torch.bfloat16)
+    fused_tree = torch.compile(tree.accept_sampled, backend="inductor" if cuda else "aot_eager", fullgraph=True,
+                               dynamic=False)
     arms = {
         "old": lambda g: old.tree.accept_sampled(t, tree_logits, temperature, g),
         "new": lambda g: tree.accept_sampled(t, tree_logits, temperature, g),
+        "fused": lambda g: fused_tree(t, tree_logits, temperature, tree.draw(g, batch, shape, V, device)),
         "greedy": lambda g: accept_greedy(t, tree_logits),
     }
     rows.append(compare("tree 6,4,16", batch, arms, device, args, cuda))

@@ -21,6 +21,8 @@ CPU tests of the passes.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import time
 
 from collections.abc import Sequence
@@ -273,7 +275,7 @@ class Backend:
         if self.lowering == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            with rank_identical_kernels(self.group.size), lowering_kernels(self.kernels):
+            with rank_identical_kernels(self.group.size), lowering_kernels(self.kernels), cacheable_helpers(gm):
                 return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -317,6 +319,34 @@ def _is_symbolic(value) -> bool:
     if isinstance(value, torch.SymInt):
         return True
     return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
+
+
+def cacheable_helpers(gm: GraphModule):
+    """Let AOTAutograd's cache keep a rewritten graph across processes.
+
+    The passes call this package's helpers (``ops.cascade``) from the graphs they build,
+    and AOTAutograd caches only graphs whose every function it knows, so without this a
+    restart traces each rewritten graph again.  Each helper is marked cacheable under a
+    key of the package's source: another version of the package never reuses an entry."""
+    import torch._inductor.config as inductor_config
+
+    names = {f"{n.target.__module__}.{n.target.__name__}" for n in gm.graph.nodes
+             if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("dcp_compile.")}
+    if not names or not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+        return contextlib.nullcontext()
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    # Sorted: the config is part of the cache key, and a set's order changes between processes.
+    marked.update(dict.fromkeys(sorted(names), _package_source_key()))
+    return inductor_config.patch(unsafe_marked_cacheable_functions=marked)
+
+
+@functools.cache
+def _package_source_key() -> str:
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def rank_identical_kernels(group_size: int):

@@ -234,6 +234,8 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
             out = graph.call_function(torch.permute, (out, latent.out_perm))
     for node in (positions, *new_kv, *caches, *([] if slots else [kv_len]), prefix, packed, window, out, *comm_nodes):
         node.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    if "example_value" in site.node.meta:  # the merge returns what the attention did: same shape and dtype
+        out.meta["example_value"] = site.node.meta["example_value"]
     site.node.replace_all_uses_with(out)
     graph.erase_node(site.node)
     erase_dead_pure_nodes(gm, old_inputs)

@@ -47,7 +47,7 @@ from dcp_compile.ops.inlining import KERNELS
 from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, fused, probs_at,
                                           propose_rule, row_temperatures, sample_from)
-from dcp_compile.runtime.tree import TreeShape, default_draft_tokens
+from dcp_compile.runtime.tree import TreeShape, accept_sampled, default_draft_tokens
 from dcp_compile.runtime.state import StepState, finish_and_advance, idle_state
 from dcp_compile.runtime.step_graph import StepGraph, StepParts
 from dcp_compile.runtime.tree_step import TreeStep
@@ -115,6 +115,7 @@ class SpecGraphs:
             self.draft_tree = [torch.compile(TreeCall(draft, staged=True), backend=self.draft_backend, fullgraph=True,
                                              dynamic=False) for _ in range(tree.k - 1)]  # one per depth after the first
         self.chain_rule, self.propose_rule = fused(chain_rule, lowering), fused(propose_rule, lowering)
+        self.tree_rule = fused(accept_sampled, lowering)
         self.commit = KVCommit(target)
         # A group of size 1 verifies a chain in place: there is nothing to commit, and a
         # captured commit would be an empty CUDA graph replayed (with its input copies) every step.
@@ -280,7 +281,7 @@ class DeviceStep:
             outputs = self._plain_step(state, noise, parts)
         elif self.tree is not None:
             check = (lambda *a: self.check_ranks_agree(self.verify_steps, *a)) if self.check_ranks else None
-            outputs = self.tree.run(state, noise, parts, check)
+            outputs = self.tree.run(state, noise, parts, check, self.graphs.tree_rule)
         else:
             outputs = self._chain_step(state, noise, parts)
         finish_and_advance(state, *outputs)

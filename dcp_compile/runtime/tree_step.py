@@ -43,6 +43,7 @@ from dcp_compile.runtime.tree import (
     accept_greedy,
     accept_sampled,
     commit_slots,
+    draw,
     emitted,
     expand,
     select,
@@ -88,15 +89,20 @@ class TreeStep:
         tree = select(shape, levels)
         return replace(tree, tokens=to_target(tree.tokens))
 
-    def run(self, state, noise: Noise, parts, check=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, state, noise: Noise, parts, check=None,
+            rule=accept_sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(new_tokens [B, k+1], accepted [B], bonus [B])`` as ``DeviceStep.step``
-        returns them; ``check(logits, *decisions)``: the rank check, if any."""
+        returns them; ``check(logits, *decisions)``: the rank check, if any; ``rule``: the
+        sampled acceptance over draws made beforehand (``accept_sampled``, or it compiled)."""
         g = parts
         tree = self.draft_tree(parts.draft_tree, state.length, state.q_logits, state.hidden)
         tokens = torch.cat([state.current[:, None], tree.tokens], dim=1)
         logits, features = g.target_verify(tokens, tree.positions(state.length), tree.ancestors)
-        accepted = (accept_sampled(tree, logits, state.temperature, noise) if state.sampling
-                    else accept_greedy(tree, logits))
+        if state.sampling:
+            draws = draw(noise, tree.tokens.shape[0], self.shape, logits.shape[-1], logits.device)
+            accepted = rule(tree, logits, state.temperature, draws)
+        else:
+            accepted = accept_greedy(tree, logits)
         count = torch.where(state.active, accepted.count, 0)
         if check is not None:
             check(logits, tree.tokens, count, accepted.bonus)
