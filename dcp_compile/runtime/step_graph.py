@@ -30,9 +30,11 @@ What the graph holds fixed, and who changes it:
 
 Capture: two warm-up steps on a side stream (Inductor's first calls and the
 communicators' set-up cannot be captured) with the generator's state put back after
-them, so the captured step draws what an uncaptured one would.  A warm-up step writes
-only the KV slots the step itself writes (their positions follow the rows' lengths), and
-the replay that follows rewrites every one of them before anything reads it.
+them, so the captured step draws what an uncaptured one would.  The warm-ups run on
+the graph's own buffers, which the first replay's input copies then overwrite; they
+write KV slots at or past the rows' committed lengths, and no further than a live row's
+budget lets a step write (``state.finish_and_advance`` ends a row before it could pass
+its cache), and every step writes such a slot before anything reads it.
 
 On a CPU group (``capture=False``) the same object runs the step over the same static
 buffers without a graph: what the CPU tests check of the buffers and the write-back.
