@@ -332,8 +332,8 @@ def cacheable_helpers(gm: GraphModule):
 
     names = {f"{n.target.__module__}.{n.target.__name__}" for n in gm.graph.nodes
              if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("dcp_compile.")}
-    if not names or not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
-        return contextlib.nullcontext()
+    if not names or not isinstance(getattr(inductor_config, "unsafe_marked_cacheable_functions", None), dict):
+        return contextlib.nullcontext()  # a torch without the setting traces these graphs on every restart
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
     # Sorted: the config is part of the cache key, and a set's order changes between processes.
     marked.update(dict.fromkeys(sorted(names), _package_source_key()))
