@@ -45,7 +45,6 @@ class _InFlight:
     packed: torch.Tensor
     """``[B, width + 2]``: the emitted tokens, the accept count and whether the device
     keeps the row going; a pinned host copy on a GPU, filled when ``ready`` is."""
-    width: int
     ready: torch.cuda.Event | None
 
 
@@ -383,14 +382,14 @@ class SpecEngine:
         self._launches += 1
         self.stats["verify_steps"] += 1
         rows = [(row, request) for row, (request, on) in enumerate(zip(self.rows, live)) if on]
-        return _InFlight(rows, packed, new_tokens.shape[1], ready)
+        return _InFlight(rows, packed, ready)
 
     def _collect(self, flight: _InFlight, events: dict[int, StepEvent]) -> None:
         """Read a launched step's tokens (the one device-to-host copy of a step) and hand
         them to the rows' requests; a request aborted since the launch gets none."""
         if flight.ready is not None:
             flight.ready.synchronize()
-        host, width = flight.packed.tolist(), flight.width
+        host, width = flight.packed.tolist(), flight.packed.shape[1] - 2
         for row, request in flight.rows:
             if self.rows[row] is not request:
                 continue

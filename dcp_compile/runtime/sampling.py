@@ -92,10 +92,11 @@ def sample_from(probs: torch.Tensor, noise: Noise | torch.Generator | None) -> t
     return (probs / exponential_draws(noise, probs)).argmax(-1)
 
 
-def _uniform(noise: Noise | torch.Generator | None, B: int, k: int, device) -> torch.Tensor:
+def uniform_draws(noise: Noise | torch.Generator | None, shape: tuple[int, ...], device) -> torch.Tensor:
+    """U[0, 1) draws of ``shape`` (batch first), from ``noise`` (row by row) or a generator."""
     if isinstance(noise, Noise):
-        return noise.uniform(B, k)
-    return torch.rand(B, k, generator=noise, device=device)
+        return noise.uniform(*shape)
+    return torch.rand(*shape, generator=noise, device=device)
 
 
 def row_temperatures(temperature: float | torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
@@ -144,7 +145,7 @@ def accept_chain(
     if draft_probs is None:
         return greedy_chain(target_logits, drafts)
     B, k = drafts.shape
-    u = _uniform(generator, B, k, target_logits.device)
+    u = uniform_draws(generator, (B, k), target_logits.device)
     clocks = exponential_draws(generator, target_logits.new_empty(B, target_logits.shape[-1], dtype=torch.float32))
     return (rule or chain_rule)(target_logits, drafts, draft_probs, temperature, u, clocks,
                                 drafts if draft_index is None else draft_index, vocab_map)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from dcp_compile.runtime.sampling import Noise, logprobs_at, row_temperatures
+from dcp_compile.runtime.sampling import Noise, exponential_draws, logprobs_at, row_temperatures, uniform_draws
 
 
 TREE_DRAFT_TOKENS = 16
@@ -290,13 +290,8 @@ class TreeDraws(NamedTuple):
 def draw(noise: Noise | torch.Generator | None, B: int, shape: TreeShape, vocab: int, device) -> TreeDraws:
     """The draws of one sampled acceptance from the sampler's generators: uniforms first,
     then the clocks."""
-    if isinstance(noise, Noise):
-        uniforms = noise.uniform(B, shape.k, shape.topk)
-        clocks = noise.exponential(torch.empty(B, vocab, device=device))
-    else:
-        uniforms = torch.rand(B, shape.k, shape.topk, generator=noise, device=device)
-        clocks = torch.empty(B, vocab, device=device).exponential_(1.0, generator=noise)
-    return TreeDraws(uniforms, clocks)
+    uniforms = uniform_draws(noise, (B, shape.k, shape.topk), device)
+    return TreeDraws(uniforms, exponential_draws(noise, torch.empty(B, vocab, device=device)))
 
 
 class _Left(NamedTuple):
