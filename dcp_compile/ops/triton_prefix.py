@@ -472,7 +472,8 @@ def _prefix_attention_cuda(q, k_cache, v_cache, kv_len, scale, kv_start=None):
 def _prefix_attention_functional(mode, op, types, args, kwargs):
     q = args[0] if args else kwargs["q"]
     k_cache, v_cache = (args[1], args[2]) if len(args) > 2 else (kwargs["k_cache"], kwargs["v_cache"])
-    if not kernels_inlined() or q.device.type != "cuda" or _cuda_form(q, k_cache, v_cache) is prefix_attention_reference:
+    if (not kernels_inlined() or q.device.type != "cuda"
+            or _cuda_form(q, k_cache, v_cache) is prefix_attention_reference):
         # Kept as one opaque op: the reference reads kv_len's largest value, which a
         # traced graph cannot.
         return mode.__torch_dispatch__(op, types, args, kwargs)

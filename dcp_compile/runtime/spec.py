@@ -355,7 +355,8 @@ class SpecDecoder:
     ``comm``: how the target's partial attentions meet (``"ag"`` or ``"a2a"``, see
     ``dcp.backend``).  ``kernels``: the attention kernels under Inductor, ``"inline"`` or
     ``"opaque"`` (``dcp.backend``, ``ops.inlining``); unset, opaque when ``cuda_graphs``
-    captures the step (an op's dispatch is then paid at capture alone) and inline otherwise.  ``cuda_graphs``: capture the step in CUDA graphs once per shape
+    captures the step (an op's dispatch is then paid at capture alone) and inline otherwise.
+    ``cuda_graphs``: capture the step in CUDA graphs once per shape
     and replay it: with ``step_graph`` (the default then) the whole step is one graph
     (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
     draft extend and step or depths) one by one, the glue between them uncaptured.  On a
