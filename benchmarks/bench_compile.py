@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_compile.py --out $OUT/compile.json            # one GPU
     python3 benchmarks/bench_compile.py --device cpu --max-new-tokens 4     # the script itself, on CPU
+    python3 benchmarks/bench_compile.py --profile $OUT/profiles ...         # + where a warm restart spends it
 
 What a server restart pays before its first token: the demo's models (``--model``,
 default the embedded tiny-code pair) in a ``SpecDecoder`` on a group of one, timed from
@@ -74,11 +75,28 @@ def child(args) -> dict:
                 tokens_per_s=result["tokens_per_s"], process_s=time.perf_counter() - START)
 
 
-def run_child(arm: str, caches: str, args) -> dict:
+def profiled_child(args) -> dict:
+    """``child`` under cProfile, its top functions written to ``args.profile_child``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(child, args)
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)
+    with open(args.profile_child, "w") as f:
+        f.write(f"{args.arm}, warm, under cProfile: compile {result['compile_s']:.1f} s\n{text.getvalue()}")
+    return result
+
+
+def run_child(arm: str, caches: str, args, profile: str | None = None) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
                TRITON_CACHE_DIR=os.path.join(caches, "triton"))
     command = [sys.executable, __file__, "--child", arm, "--device", args.device, "--model", args.model,
                "--max-new-tokens", str(args.max_new_tokens), "--lowering", args.lowering]
+    command += ["--profile-child", profile] if profile else []
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -98,11 +116,18 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     parser.add_argument("--out")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each arm's warm run, a third run on the same caches under cProfile: its "
+                             "functions by own and by cumulative time in DIR/<arm>-warm.txt (not timed)")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         args.arm = args.child
-        print(json.dumps(child(args)), flush=True)
+        if args.profile_child:
+            print(json.dumps(profiled_child(args)), flush=True)
+        else:
+            print(json.dumps(child(args)), flush=True)
         return
     runs = []
     with tempfile.TemporaryDirectory() as root:
@@ -114,6 +139,9 @@ def main() -> None:
                 runs.append(result)
                 print(f"[{time.strftime('%H:%M:%S')}] {arm} {phase}: compile {result['compile_s']:.1f} s, "
                       f"{result['compile_breakdown']}", file=sys.stderr, flush=True)
+            if args.profile:
+                os.makedirs(args.profile, exist_ok=True)
+                run_child(arm, caches, args, profile=os.path.join(args.profile, f"{arm}-warm.txt"))
     by = {(r["arm"], r["phase"]): r for r in runs}
     same = all(by[arm, "cold"]["tokens"] == by[arm, "warm"]["tokens"] for arm in args.arms)
     summary = dict(runs=runs, cold_and_warm_tokens_identical=same,

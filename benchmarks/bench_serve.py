@@ -41,6 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_test  # noqa: E402
 
 
+DEVICE_KEYS = ("device_step_seconds", "device_wait_seconds", "device_waits")
+
+
 def offline(args, requests) -> dict:
     import dcp_compile as dcp
     from dcp_compile import loading
@@ -70,9 +73,11 @@ def offline(args, requests) -> dict:
             engine.step()
         seconds = time.perf_counter() - start
         accept.append(engine.stats["accepted"] / max(1, engine.stats["row_steps"]) + 1)
+        device_times.append({key: engine.stats[key] for key in DEVICE_KEYS})
         return seconds, engine.stats["tokens"]
 
     accept: list[float] = []
+    device_times: list[dict] = []
 
     started = time.perf_counter()
     run_all()  # compiles and captures
@@ -80,8 +85,10 @@ def offline(args, requests) -> dict:
     times = [run_all() for _ in range(args.reps)]
     seconds = statistics.median(t for t, _ in times)
     tokens = times[0][1]
+    last = device_times[-1]
     result = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, load_s=load_s, accept_len=accept[-1],
-                  first_pass_s=compile_s, all_tokens_per_s=[tok / t for t, tok in times])
+                  first_pass_s=compile_s, all_tokens_per_s=[tok / t for t, tok in times],
+                  device_idle=idle_share(last["device_step_seconds"], last["device_wait_seconds"]))
     del decoder, target, draft
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -110,7 +117,17 @@ def server(args, requests) -> dict:
     best["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     pick = lambda text, name: next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))  # noqa: E731
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}
-    return dict(best, runs=runs, steady_state=steady)
+    spent = {name: float(pick(after, name)) - float(pick(before, name))
+             for name in ("dcp_device_step_seconds_total", "dcp_device_wait_seconds_total")}
+    idle = idle_share(spent["dcp_device_step_seconds_total"], spent["dcp_device_wait_seconds_total"])
+    return dict(best, runs=runs, steady_state=steady, device_idle=idle)
+
+
+def idle_share(step_seconds: float, wait_seconds: float) -> dict:
+    """The device's idle time between steps launched back to back, as a share of the time
+    those steps spanned: what the host adds to the step's critical path."""
+    span = step_seconds + wait_seconds
+    return dict(device_step_s=step_seconds, device_wait_s=wait_seconds, wait_share=wait_seconds / span if span else None)
 
 
 def hf_generate(args, requests) -> dict:

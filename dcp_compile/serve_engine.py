@@ -201,6 +201,10 @@ class EngineThread:
             "dcp_verify_steps_total": steps,
             "dcp_mean_accept_length": round(stats["accepted"] / row_steps + 1, 4) if row_steps else 0.0,
             "dcp_step_seconds_total": round(stats["step_seconds"], 6),
+            # The device's time in steps, and its idle time between steps launched back to
+            # back: the host's share of the critical path (SpecEngine.stats).
+            "dcp_device_step_seconds_total": round(stats["device_step_seconds"], 6),
+            "dcp_device_wait_seconds_total": round(stats["device_wait_seconds"], 6),
             # Steady state: arrivals and departures must leave these two unchanged.
             "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
             "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),

@@ -46,6 +46,11 @@ class _InFlight:
     """``[B, width + 2]``: the emitted tokens, the accept count and whether the device
     keeps the row going; a pinned host copy on a GPU, filled when ``ready`` is."""
     ready: torch.cuda.Event | None
+    began: torch.cuda.Event | None = None
+    """Recorded before the step was launched: with ``ready``, the step's time on the device."""
+    follows: torch.cuda.Event | None = None
+    """The step before's ``ready`` when nothing else was queued between the two: from it to
+    ``began``, the device waited for the host."""
 
 
 @dataclass
@@ -118,11 +123,17 @@ class SpecEngine:
         trip) before the step fails; ``None``: the process group's timeout.  A server sets
         it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
-                          step_seconds=0.0)
+                          step_seconds=0.0, device_step_seconds=0.0, device_wait_seconds=0.0, device_waits=0)
+        """``step_seconds``: host time in ``step``.  On a GPU, ``device_step_seconds``: the
+        steps' time on the device; ``device_wait_seconds``: time the device sat idle between
+        two steps queued back to back (``device_waits`` such gaps), waiting for the host to
+        launch the next: the host's share of the critical path.  Gaps around a prefill,
+        an admission or an abort are not counted."""
         self.in_flight: _InFlight | None = None
         """The step launched last, whose tokens the next ``step`` reads (after launching its own)."""
         self._pinned: list[torch.Tensor] = []
         self._launches = 0
+        self._last_ready: torch.cuda.Event | None = None
 
     # ---- requests (rank 0 in leader mode; every rank otherwise)
 
@@ -313,9 +324,13 @@ class SpecEngine:
         self.stats["admitted"] += len(plan.admits)
         if any(r is not None and not r.decoding for r in self.rows):
             self._prefill(events)
+        if plan.admits or plan.aborts or events:
+            self._last_ready = None  # other work was queued since the last step
         # The step is launched before the last one's tokens are read, so that the host's
         # reading and bookkeeping overlap the device's work (``runtime.state``).
         launched = self._launch() if any(self._live()) else None
+        if launched is None:
+            self._last_ready = None
         if self.in_flight is not None:
             self._collect(self.in_flight, events)
         self.in_flight = launched
@@ -368,6 +383,10 @@ class SpecEngine:
         to the host (read by ``_collect`` during the next step)."""
         state, live = self.state, self._live()
         state.sampling = any(on and r.temperature > 0 for on, r in zip(live, self.rows))
+        began = None
+        if self.device.type == "cuda":
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         new_tokens, accepted, _ = self.device_step.step(state, self.noise)
         packed = torch.cat([new_tokens, accepted[:, None], state.active[:, None].long()], 1)
         ready = None
@@ -376,19 +395,25 @@ class SpecEngine:
                 self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
             host = self._pinned[self._launches % 2]
             host.copy_(packed, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record()
             packed = host
         self._launches += 1
         self.stats["verify_steps"] += 1
         rows = [(row, request) for row, (request, on) in enumerate(zip(self.rows, live)) if on]
-        return _InFlight(rows, packed, ready)
+        flight = _InFlight(rows, packed, ready, began, self._last_ready)
+        self._last_ready = ready
+        return flight
 
     def _collect(self, flight: _InFlight, events: dict[int, StepEvent]) -> None:
         """Read a launched step's tokens (the one device-to-host copy of a step) and hand
         them to the rows' requests; a request aborted since the launch gets none."""
         if flight.ready is not None:
             flight.ready.synchronize()
+            self.stats["device_step_seconds"] += flight.began.elapsed_time(flight.ready) / 1e3
+            if flight.follows is not None:
+                self.stats["device_wait_seconds"] += flight.follows.elapsed_time(flight.began) / 1e3
+                self.stats["device_waits"] += 1
         host, width = flight.packed.tolist(), flight.packed.shape[1] - 2
         for row, request in flight.rows:
             if self.rows[row] is not request:

@@ -44,3 +44,31 @@ def test_steady_state_neither_recompiles_nor_recaptures(step_graph):
     plain = dcp.generate_all(decoder(device, False), PROMPTS, 40)
     assert [o.tokens for o in plain] == [o.tokens for o in first]
     assert [o.accepted for o in plain] == [o.accepted for o in first]
+
+
+@pytest.mark.gpu
+def test_the_engine_sees_the_device_wait_for_a_slow_host():
+    """``SpecEngine.stats``' device wait is the device's idle time between two steps: a
+    host that sleeps 50 ms before each launch shows as about 50 ms a gap; a host that
+    launches at once keeps the device far busier."""
+    import time
+
+    from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+
+    graphed = decoder(torch.device("cuda", 0), True)
+    dcp.generate_all(graphed, PROMPTS, 40)  # compiles and captures
+
+    def waits(pause: float) -> dict:
+        engine = SpecEngine(graphed)
+        for prompt in PROMPTS:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=60))
+        while engine.has_work():
+            time.sleep(pause)
+            engine.step()
+        return engine.stats
+
+    slow, fast = waits(0.05), waits(0.0)
+    assert slow["device_waits"] >= 5 and fast["device_waits"] >= 5
+    assert 0.045 < slow["device_wait_seconds"] / slow["device_waits"] < 0.2
+    assert fast["device_wait_seconds"] / fast["device_waits"] < 0.01
+    assert 0 < slow["device_step_seconds"] < slow["device_wait_seconds"]
