@@ -51,7 +51,7 @@ def child(args) -> dict:
         kernels = "opaque" if args.arm == "dcp-opaque" else "inline"
 
         def cascade_backend(group, role, **kw):
-            return made(group, role, cascade=role == "target", kernels=kernels, **kw)
+            return made(group, role, cascade=role == "target", **dict(kw, kernels=kernels))
 
         spec.make_backend = cascade_backend
     parser = cli._parser()
