@@ -103,6 +103,7 @@ def server(args, requests) -> dict:
     options = ["--dcp", str(args.dcp), "--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len",
                str(args.max_seq_len), "--model", args.model, "--k", str(args.k), "--chunk-size", str(args.chunk_size)]
     options += ["--draft", args.draft] if args.draft else []
+    options += args.server_args.split() if args.server_args else []
     process = load_test.start_server(options, port, args.server_log, args.start_seconds)
     try:
         # a first pass warms the server's prefill for every prompt width bucket
@@ -238,6 +239,7 @@ def main() -> None:
     parser.add_argument("--hf-generate", action="store_true", help="also time transformers' own generate()")
     parser.add_argument("--arms", default="offline,server", help="which of offline,server to run")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--server-args", help="more `dcp-compile serve` options, e.g. '--gil-switch-ms 5'")
     parser.add_argument("--start-seconds", type=float, default=300)
     parser.add_argument("--server-log", default="/tmp/bench_serve_server.log")
     parser.add_argument("--out")

@@ -54,6 +54,16 @@ def test_demo_rejects_bad_flags(flags, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (("--gil-switch-ms", "0"), "--gil-switch-ms must be in [0.01, 100], got 0.0"),
+    (("--admission-window-ms", "-1"), "--admission-window-ms must be in [0, 1000], got -1.0"),
+])
+def test_serve_rejects_bad_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 TREE_REFUSALS = {
     "topk below 1": (("--topk", "0"), "--k 4 --topk 0 --draft-tokens 4: topk must be >= 1, got topk=0"),
     "fewer nodes than the depth": (("--draft-tokens", "3"), "draft_tokens=3 is below the depth k=4"),
