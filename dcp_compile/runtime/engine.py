@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dcp_compile.runtime.generate import tokens_prefilled
 from dcp_compile.runtime.request import RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
 from dcp_compile.runtime.spec import SpecDecoder
-from dcp_compile.runtime.state import StepState, start_rows, stop_rows
+from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, start_rows, stop_rows
 
 
 @dataclass
@@ -97,6 +97,9 @@ class SpecEngine:
         """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
         model's EOS ids.  Every rank builds its engine with the same set, so they are
         not broadcast."""
+        self.stop_width = max(STOP_IDS_PER_ROW, len(self.stop_ids) + 1)
+        """Stop ids a row's state holds, fixed for the engine's life: a step captured for
+        its states holds this width, whatever ``stop_ids`` is set to later."""
         self.prefill_chunks_per_step = prefill_chunks_per_step
         self.decoder = decoder
         self.group = decoder.group
@@ -349,7 +352,7 @@ class SpecEngine:
             temperature[request.row], starts[request.row] = request.temperature, request.fed
         self.state = self.device_step.prefill(prompts, admitted, temperature, self.noise, self.state, starts=starts,
                                               max_chunks=self.prefill_chunks_per_step,
-                                              stop_width=len(self.stop_ids) + 1)
+                                              stop_width=self.stop_width)
         done = []
         for request in filling:
             request.fed += tokens_prefilled(len(request.prompt) - request.fed, self.decoder.chunk_size,

@@ -42,6 +42,12 @@ class StepState:
     """``[B, S]`` token ids that end each row (``-1``: no id)."""
 
 
+STOP_IDS_PER_ROW = 8
+"""The stop ids a row's state holds (an engine's ``stop_ids`` and the request's own
+``eos_id``), unused ones -1: one width for every engine over a decoder, so that their
+states fit the step it captured."""
+
+
 def idle_state(batch: int, device, *, stops: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``active``, ``remaining`` and ``stops`` of a batch with no row started."""
     return (torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device),

@@ -139,4 +139,8 @@ def _load(inputs: dict[str, torch.Tensor | None], state) -> None:
             raise ValueError(f"StepGraph: the state's {name} is {'None' if value is None else 'a tensor'}, but the "
                              f"step was captured with {'none' if buffer is None else 'one'}")
         if buffer is not None and value is not buffer:
+            if value.shape != buffer.shape:
+                raise ValueError(f"StepGraph: the state's {name} has shape {tuple(value.shape)}, but the step was "
+                                 f"captured with {tuple(buffer.shape)}; a step replays the shapes it was captured "
+                                 f"with (for stops: every engine over one decoder holds the same number of stop ids)")
             buffer.copy_(value)

@@ -79,17 +79,24 @@ def test_eos_ends_a_request_and_its_row_goes_to_the_queue():
 
 def test_stop_ids_end_every_request_as_its_own_eos_does():
     """A model with several EOS ids (Llama-3: end of text, end of turn): the engine's
-    ``stop_ids`` apply to every request, together with the request's own ``eos_id``."""
+    ``stop_ids`` apply to every request, together with the request's own ``eos_id``:
+    at the first token, or part-way, where the device ends the row."""
     decoder = make_decoder(max_batch=2)
-    full = [dcp.generate_all(decoder, [p], 20)[0].tokens for p in PROMPTS[:3]]
-    stops = frozenset({full[0][4]})
-    own = [None, full[1][2], None]
+    prompts = [PROMPTS[4], PROMPTS[1], [1, 9, 4, 17, 2, 30]]
+    full = [dcp.generate_all(decoder, [p], 20)[0].tokens for p in prompts]
+    stops = frozenset({full[0][9], full[2][0]})  # part-way through the first, the third's first token
+    own = [full[1][0] ^ 1, None, None]  # a row holding both stop ids and an eos_id of its own
+    assert full[0][9] not in full[0][:9] and own[0] not in full[0] + full[1] and full[2][0] not in full[1]
     engine = SpecEngine(decoder, stop_ids=stops)
-    out = run(engine, [(0, p, SamplingParams(max_new_tokens=20, eos_id=e)) for p, e in zip(PROMPTS[:3], own)])
+    # `dcp-compile serve` warms its engine up with the stop ids cleared, then restores them:
+    # the rows' state must still hold them all (and the request's own eos_id).
+    engine.stop_ids = frozenset()
+    run(engine, [(0, PROMPTS[0], SamplingParams(max_new_tokens=5))])
+    engine.stop_ids = stops
+    out = run(engine, [(0, p, SamplingParams(max_new_tokens=20, eos_id=e)) for p, e in zip(prompts, own)])
     expected = [cut_at_stop(f, stops | ({e} if e is not None else set())) for f, e in zip(full, own)]
     assert out["tokens"] == [tokens for tokens, _ in expected]  # the EOS token itself included
-    assert out["ends"] == ["eos" if ended else "length" for _, ended in expected]
-    assert out["ends"][:2] == ["eos", "eos"]
+    assert out["ends"] == ["eos", "length", "eos"] and [len(t) for t in out["tokens"]] == [10, 20, 1]
     with pytest.raises(ValueError, match=r"stop_ids must be token ids in \[0, 32\), got \[32\]"):
         SpecEngine(decoder, stop_ids=frozenset({3, 32}))
 
