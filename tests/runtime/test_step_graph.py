@@ -74,6 +74,7 @@ def test_every_engine_over_a_decoder_starts_from_its_seed():
     engine.state.sampling = True
     with pytest.raises(ValueError, match="captured drawing from another Noise"):
         decoder.device_step.step(engine.state, other)
+    decoder.noise.seed_row(1, 3)  # the sampled step with a seeded row: the one this traffic captured
     engine.state.stops = torch.full((3, 2), -1)
     with pytest.raises(ValueError, match=r"the state's stops has shape \(3, 2\), but the step was captured with "
                                          r"\(3, 8\)"), torch.no_grad():
