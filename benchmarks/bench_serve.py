@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--hf-generate", action="store_true", help="also time transformers' own generate()")
     parser.add_argument("--arms", default="offline,server", help="which of offline,server to run")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--server-args", help="more `dcp-compile serve` options, e.g. '--gil-switch-ms 5'")
+    parser.add_argument("--server-args", help="more `dcp-compile serve` options, e.g. '--admission-window-ms 0'")
     parser.add_argument("--start-seconds", type=float, default=300)
     parser.add_argument("--server-log", default="/tmp/bench_serve_server.log")
     parser.add_argument("--out")

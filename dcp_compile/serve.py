@@ -156,10 +156,6 @@ def serve(args: argparse.Namespace) -> int:
                             log_level="warning", timeout_graceful_shutdown=args.drain_seconds)
     server = uvicorn.Server(config)
     worker.on_failure = lambda: setattr(server, "should_exit", True)
-    # The engine thread waits on the device with the interpreter released; when the step
-    # is done it must take the interpreter back from the HTTP side, which holds it for up
-    # to the switch interval: Python's 5 ms would be longer than a small model's step.
-    sys.setswitchinterval(args.gil_switch_ms / 1000)
     worker.start()
     # uvicorn answers SIGTERM/SIGINT by draining HTTP, then raises the signal again for
     # the handler it found: make that one a no-op, so the engine drains next.
@@ -216,9 +212,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an idle engine waits this long after a request arrives for more to share its first "
                              "prefill chunk (default 10; 0: admit at once)")
     parser.add_argument("--step-timeout", type=float, default=120.0, help="seconds before a stuck step ends the server")
-    parser.add_argument("--gil-switch-ms", type=float, default=0.5,
-                        help="how long one thread may hold Python's interpreter while the engine thread waits for it "
-                             "(sys.setswitchinterval; default 0.5, Python's own is 5)")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -230,8 +223,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     for name in ("drain_seconds", "collective_timeout", "step_timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if not 0.01 <= args.gil_switch_ms <= 100:
-        parser.error(f"--gil-switch-ms must be in [0.01, 100], got {args.gil_switch_ms}")
     if not 0 <= args.admission_window_ms <= 1000:
         parser.error(f"--admission-window-ms must be in [0, 1000], got {args.admission_window_ms}")
     try:

@@ -55,7 +55,6 @@ def test_demo_rejects_bad_flags(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--gil-switch-ms", "0"), "--gil-switch-ms must be in [0.01, 100], got 0.0"),
     (("--admission-window-ms", "-1"), "--admission-window-ms must be in [0, 1000], got -1.0"),
 ])
 def test_serve_rejects_bad_flags(flags, message, capsys):
