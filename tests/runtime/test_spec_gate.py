@@ -9,8 +9,8 @@ from tests.runtime.workers import diverging_spec_worker, spec_worker
 K = 4
 
 
-def run(size, kind, temperature=0.0, max_new_tokens=40):
-    results = spawn_ranks(spec_worker, size, kind, K, temperature, max_new_tokens, timeout=900)
+def run(size, kind, temperature=0.0, max_new_tokens=40, step_graph=False):
+    results = spawn_ranks(spec_worker, size, kind, K, temperature, max_new_tokens, step_graph, timeout=900)
     for r in results[1:]:
         assert r["tokens"] == results[0]["tokens"] and r["accepted"] == results[0]["accepted"], "ranks disagree"
     return results[0]
@@ -48,9 +48,10 @@ def test_eagle_gate(off_arm):
 @pytest.mark.parametrize("size", [2, 3])
 def test_sampling_gate(size):
     """Sampling draws on each rank's own device generator, seeded alike: no communication,
-    and still the off arm's tokens."""
+    and still the off arm's tokens.  The DCP arm runs each step as one graph, the off arm
+    the step's calls one by one."""
     off = run(1, "eagle3", temperature=0.8, max_new_tokens=24)
-    dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24)
+    dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24, step_graph=True)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
 
 

@@ -190,8 +190,9 @@ SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2),
                  "mla": dict(kind="eagle3", target="mla", noise=3.0)}
 
 
-def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
-    """Speculative decoding of four prompts with the agreeing test pair on ``size`` ranks."""
+def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=False):
+    """Speculative decoding of four prompts with the agreeing test pair on ``size`` ranks;
+    ``step_graph``: each step as one graph (which runs without the per-step rank check)."""
     from dcp_compile.runtime.spec import SpecDecoder
     from tests.support import agreeing_pair
 
@@ -199,7 +200,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens):
     fixture = dict(SPEC_FIXTURES[kind])
     target, draft = agreeing_pair(fixture.pop("kind", kind), **fixture)
     decoder = SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, temperature=temperature, seed=11,
-                          lowering="aot_eager", check_ranks=True)
+                          lowering="aot_eager", check_ranks=not step_graph, step_graph=step_graph)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
     streamed = {i: [] for i in range(len(prompts))}
