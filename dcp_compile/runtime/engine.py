@@ -131,7 +131,9 @@ class SpecEngine:
         steps' time on the device; ``device_wait_seconds``: time the device sat idle between
         two steps queued back to back (``device_waits`` such gaps), waiting for the host to
         launch the next: the host's share of the critical path.  Gaps around a prefill,
-        an admission or an abort are not counted."""
+        an admission or an abort are not counted.  A step's time starts when the host
+        begins launching it, so when the device was idle by then, the launch counts as
+        step time: the wait is a lower bound."""
         self.in_flight: _InFlight | None = None
         """The step launched last, whose tokens the next ``step`` reads (after launching its own)."""
         self._pinned: list[torch.Tensor] = []
