@@ -124,10 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         args.arm = args.child
-        if args.profile_child:
-            print(json.dumps(profiled_child(args)), flush=True)
-        else:
-            print(json.dumps(child(args)), flush=True)
+        print(json.dumps((profiled_child if args.profile_child else child)(args)), flush=True)
         return
     runs = []
     with tempfile.TemporaryDirectory() as root:

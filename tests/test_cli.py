@@ -54,13 +54,11 @@ def test_demo_rejects_bad_flags(flags, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags,message", [
-    (("--admission-window-ms", "-1"), "--admission-window-ms must be in [0, 1000], got -1.0"),
-])
-def test_serve_rejects_bad_flags(flags, message, capsys):
+def test_serve_rejects_an_admission_window_out_of_range(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", *flags])
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        main(["serve", "--admission-window-ms", "-1"])
+    assert exit_info.value.code == 2
+    assert "--admission-window-ms must be in [0, 1000], got -1.0" in capsys.readouterr().err
 
 
 TREE_REFUSALS = {

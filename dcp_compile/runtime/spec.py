@@ -48,7 +48,7 @@ from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, fused, probs_at,
                                           propose_rule, row_temperatures, sample_from)
 from dcp_compile.runtime.tree import TreeShape, accept_sampled, default_draft_tokens
-from dcp_compile.runtime.state import StepState, finish_and_advance, idle_state
+from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, finish_and_advance, idle_state
 from dcp_compile.runtime.step_graph import StepGraph, StepParts
 from dcp_compile.runtime.tree_step import TreeStep
 
@@ -197,7 +197,7 @@ class DeviceStep:
 
     def prefill(self, prompts: Sequence[Sequence[int]], admitted: Sequence[bool], temperature: Sequence[float],
                 noise: Noise, state: StepState | None = None, *, starts: Sequence[int] | None = None,
-                max_chunks: int | None = None, stop_width: int = 1) -> StepState:
+                max_chunks: int | None = None, stop_width: int = STOP_IDS_PER_ROW) -> StepState:
         """Feed the ``admitted`` rows' prompts chunk by chunk through the target and then
         the draft, while the other rows keep what ``state`` holds for them.
 

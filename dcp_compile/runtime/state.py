@@ -48,7 +48,8 @@ STOP_IDS_PER_ROW = 8
 states fit the step it captured."""
 
 
-def idle_state(batch: int, device, *, stops: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def idle_state(batch: int, device, *,
+               stops: int = STOP_IDS_PER_ROW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``active``, ``remaining`` and ``stops`` of a batch with no row started."""
     return (torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device),
             torch.full((batch, stops), -1, dtype=torch.long, device=device))
