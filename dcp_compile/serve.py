@@ -3,11 +3,12 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (each streamed or not, with
 ``usage`` and ``finish_reason``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-Rank 0 serves HTTP (Starlette on uvicorn, ``serve_http``) and runs the engine in one
-thread of its own (``serve_engine``); the other ranks run the engine's follower loop.  The
-engine thread is the only code that touches the engine: HTTP handlers hand it requests
-(``serve_requests``) and aborts through a queue, and it hands tokens back to each
-request's asyncio queue.
+Rank 0 steps the engine in its main thread (``serve_engine``) and starts the HTTP
+process (Starlette on uvicorn, ``serve_http``); the other ranks run the engine's follower
+loop.  The two processes of rank 0 speak through two pipes: requests and aborts one way,
+each step's token ids the other.  The HTTP process does the rest of a request's host
+work (``serve_frontend``: parsing, text, stop strings, streams), so none of it holds the
+engine's interpreter between two steps.
 
 The model's codec (``dcp_compile.text``) turns text into token ids and back: a prompt is
 text or a list of token ids, chat messages go through the tokenizer's chat template,
@@ -26,7 +27,8 @@ Failure behaviour:
 - a rank that dies or hangs: the step's collective fails (at once for a dead peer; after
   ``--collective-timeout`` for one that hangs while the batch is idle or between steps)
   or the step watchdog fires (``--step-timeout``, a rank that hangs inside a step); every
-  open request gets an error, ``/health`` answers 503, and the server exits with status 1.
+  open request gets an error, ``/health`` answers 503, and the server exits with status 1;
+- the HTTP process that dies: the engine aborts what runs, stops the followers and exits 1.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-from dcp_compile.serve_engine import EngineThread
+from dcp_compile.serve_engine import EngineLoop
 from dcp_compile.text import Codec
 
 
@@ -120,10 +122,8 @@ def follow(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Rank 0 (spawning the other ranks itself when not under torchrun)."""
     import torch.multiprocessing as mp
-    import uvicorn
 
     from dcp_compile.runtime.launch import free_port
-    from dcp_compile.serve_http import build_app
 
     followers = []
     if "RANK" not in os.environ:
@@ -151,31 +151,46 @@ def serve(args: argparse.Namespace) -> int:
           f"{args.max_seq_len}, {shape}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout
-    worker = EngineThread(engine, step_timeout=args.step_timeout, admission_window=args.admission_window_ms / 1000)
-    config = uvicorn.Config(build_app(worker, codec, served_model_name(args)), host=args.host, port=args.port,
-                            log_level="warning", timeout_graceful_shutdown=args.drain_seconds)
-    server = uvicorn.Server(config)
-    worker.on_failure = lambda: setattr(server, "should_exit", True)
-    worker.start()
-    # uvicorn answers SIGTERM/SIGINT by draining HTTP, then raises the signal again for
-    # the handler it found: make that one a no-op, so the engine drains next.
+    status = _serve_requests(args, engine, followers)
+    print(f"dcp-compile serve: stopped{' after a failure' if status else ''}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve_requests(args: argparse.Namespace, engine: SpecEngine, followers: list) -> int:
+    """Start the HTTP process and step the engine for it in this thread until SIGTERM
+    (or SIGINT) has drained it or a step fails; the exit status."""
+    import multiprocessing
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    print(f"dcp-compile serve: listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server.run()
-    worker.close(args.drain_seconds)
-    failed = worker.failure is not None
+    from dcp_compile.serve_http import run_http
+
+    requests_in, requests_out = multiprocessing.Pipe(duplex=False)
+    events_in, events_out = multiprocessing.Pipe(duplex=False)
+    http = multiprocessing.get_context("spawn").Process(
+        target=run_http, args=(requests_out, events_in, engine.limits, args, served_model_name(args)),
+        name="dcp-serve-http", daemon=True)
+    http.start()
+    requests_out.close()  # the HTTP process's ends: a dead HTTP process then reads as the pipe's end
+    events_in.close()
+    print(f"dcp-compile serve: the engine runs in pid {os.getpid()}, HTTP in pid {http.pid}", file=sys.stderr,
+          flush=True)
+    loop = EngineLoop(engine, requests_in, events_out, step_timeout=args.step_timeout,
+                      admission_window=args.admission_window_ms / 1000)
+    signal.signal(signal.SIGTERM, lambda *_: loop.drain(args.drain_seconds))
+    signal.signal(signal.SIGINT, lambda *_: loop.drain(args.drain_seconds))
+    failed = loop.run() is not None
+    http.join(timeout=args.drain_seconds + 10)  # it answers what is open, then stops
+    if http.is_alive():
+        http.kill()
+        failed = True
     for p in followers:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
             failed = True
-    print(f"dcp-compile serve: stopped{' after a failure' if failed else ''}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    return 1 if failed else 0
 
 
 def served_model_name(args: argparse.Namespace) -> str:

@@ -1,212 +1,210 @@
-"""The one thread that drives the engine on rank 0 of ``dcp-compile serve``.
+"""The loop that drives the engine on rank 0 of ``dcp-compile serve``.
 
-HTTP handlers hand it requests and aborts through a queue (``submit``, ``cancel``); it
-admits them, steps the engine, turns tokens into text (holding back what could start a
-stop string) and hands each request's text back to its asyncio queue, one event-loop
-wake-up per step.  A failed step fails every open request; a step that runs past
-``step_timeout`` ends the process.
+It reads the HTTP process's messages from one pipe and writes its own to another
+(``serve_frontend.Frontend`` is the other end), and between two steps does nothing else:
+no text, no stop strings, no HTTP.  Messages in:
+
+- ``("add", id, prompt, params)``: a request, already checked against the engine's limits;
+- ``("abort", id)``: free its row at the next step;
+- ``("status", tag)``: answer with the engine's counters (``/health``, ``/metrics``);
+- ``("drain", seconds)``: stop admitting; let running requests finish for ``seconds``.
+
+Out, one list of messages a step: ``("tokens", id, tokens, finished_by)``,
+``("refused", id, message)``, ``("status", tag, counters)``, ``("draining",)``, and last
+``("closed",)`` or ``("failed", message)``.  A failed step (a dead or hung peer) ends the
+loop; a step that runs past ``step_timeout`` ends the process.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 import time
-from types import MappingProxyType
 
 from dcp_compile.runtime.engine import SpecEngine
-from dcp_compile.serve_requests import Completion
+from dcp_compile.serve_frontend import Frontend
 
-_FINISH_REASONS = MappingProxyType({"eos": "stop", "length": "length"})
 HEARTBEAT_SECONDS = 0.5
 """An idle leader still steps (one small broadcast) this often, so the followers' waits
 stay far inside the collective timeout."""
 
 
-def _deliver(batch: list[tuple[Completion, tuple]]) -> None:
-    for completion, item in batch:
-        completion.events.put_nowait(item)
+class EngineLoop:
+    """Rank 0's engine, stepped from the thread that calls ``run``.  ``requests`` and
+    ``events``: the read end of the HTTP process's pipe and the write end of this one's."""
 
-
-class EngineThread:
-    """The one thread that drives the engine on rank 0."""
-
-    def __init__(self, engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0):
-        self.engine = engine
-        self.inbox: queue.Queue = queue.Queue()
-        self.by_engine_id: dict[int, Completion] = {}
-        self.outbox: list[tuple[Completion, tuple]] = []
-        self.failure: str | None = None
-        self.draining = False
-        self.closed = threading.Event()
+    def __init__(self, engine: SpecEngine, requests, events, *, step_timeout: float, admission_window: float = 0.0):
+        self.engine, self.requests, self.events = engine, requests, events
         self.step_timeout = step_timeout
         self.admission_window = admission_window
         """Seconds an idle engine waits, after a request arrives, for more to join its
         first prefill: every prefill chunk costs one ``[max_batch, chunk_size]`` step
         however many rows it fills, so a burst that refills a drained batch should
         share one."""
+        self.by_id: dict[int, int] = {}
+        """The HTTP process's request ids to the engine's."""
+        self.by_engine_id: dict[int, int] = {}
+        self.outbox: list[tuple] = []
+        self.drain_deadline: float | None = None
+        self.front_gone = False
+        self.failure: str | None = None
         self.step_started: float | None = None
-        self.metrics = dict(requests=0, finished=0, tokens=0)
-        self.thread = threading.Thread(target=self._run, name="dcp-engine", daemon=True)
-        self.on_failure = lambda: None
+        self.stopped = threading.Event()
 
-    def start(self) -> None:
-        self.thread.start()
+    def drain(self, seconds: float) -> None:
+        """Stop admitting; abort what still runs after ``seconds``.  Safe from a signal
+        handler: the loop acts on it between two steps."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + seconds
+            self.outbox.append(("draining",))
+
+    def run(self) -> str | None:
+        """Step until drained, or until a step fails; returns the failure, or None."""
         threading.Thread(target=self._watchdog, name="dcp-step-watchdog", daemon=True).start()
-
-    # ---- called from the HTTP side
-
-    def submit(self, completion: Completion) -> None:
-        self.inbox.put(("add", completion))
-
-    def cancel(self, completion: Completion) -> None:
-        self.inbox.put(("abort", completion))
-
-    def close(self, drain_seconds: float) -> None:
-        """Stop admitting; abort what is still running after ``drain_seconds``; stop the
-        followers; return when the engine thread has ended."""
-        self.draining = True
-        self.inbox.put(("drain", time.monotonic() + drain_seconds))
-        self.closed.wait(timeout=drain_seconds + self.step_timeout + 10)
-
-    # ---- the engine thread
-
-    def _send(self, completion: Completion, item) -> None:
-        self.outbox.append((completion, item))
-
-    def _flush(self) -> None:
-        """Hand the step's items to the event loop in one wake-up, not one per request."""
-        if self.outbox:
-            batch, self.outbox = self.outbox, []
-            batch[0][0].loop.call_soon_threadsafe(_deliver, batch)
-
-    def _finish(self, completion: Completion, reason: str) -> None:
-        completion.done = True
-        self.by_engine_id.pop(completion.engine_id, None)
-        self.metrics["finished"] += 1
-        self._send(completion, ("text", completion.text[completion.sent:], reason))
-        completion.sent = len(completion.text)
-
-    def _tokens(self, completion: Completion, tokens: list[int], finished_by: str | None) -> None:
-        if completion.done:
-            return
-        completion.tokens += len(tokens)
-        self.metrics["tokens"] += len(tokens)
-        completion.text += completion.decoder.push(tokens)  # the decoder leaves EOS ids out
-        if finished_by is not None:
-            completion.text += completion.decoder.finish()
-        hits = [completion.text.find(s, max(0, completion.sent - len(s))) for s in completion.stop]
-        hits = [h for h in hits if h >= 0]
-        if hits:
-            completion.text = completion.text[: min(hits)]
-            if not finished_by:
-                self.engine.abort(completion.engine_id)
-            self._finish(completion, "stop")
-        elif finished_by:
-            self._finish(completion, _FINISH_REASONS.get(finished_by, finished_by))
-        else:
-            # Hold back what could be the start of a stop string.
-            safe = len(completion.text) - max((len(s) - 1 for s in completion.stop), default=0)
-            if safe > completion.sent:
-                self._send(completion, ("text", completion.text[completion.sent:safe], None))
-                completion.sent = safe
-
-    def _take(self, block: bool, deadline: float | None) -> float | None:
-        idle = not self.engine.has_work()
-        gather_until = None
-        while True:
-            timeout = HEARTBEAT_SECONDS if block else None
-            if gather_until is not None and self.engine.free_rows > 0:
-                block, timeout = True, max(0.0, gather_until - time.monotonic())
-            try:
-                kind, value = self.inbox.get(block=block, timeout=timeout)
-            except queue.Empty:
-                return deadline
-            block = False
-            if kind == "add" and idle and gather_until is None and self.admission_window > 0:
-                gather_until = time.monotonic() + self.admission_window
-            if kind == "add":
-                if self.draining or self.failure:
-                    self._send(value, ("error", "the server is shutting down"))
-                    continue
-                value.engine_id = self.engine.add_request(value.prompt, value.params)
-                self.by_engine_id[value.engine_id] = value
-                self.metrics["requests"] += 1
-            elif kind == "abort":
-                if not value.done and value.engine_id is not None:
-                    value.done = True
-                    self.by_engine_id.pop(value.engine_id, None)
-                    self.engine.abort(value.engine_id)
-            elif kind == "drain":
-                deadline = value
-
-    def _run(self) -> None:
-        deadline = None
         try:
             while True:
-                deadline = self._take(block=not self.engine.has_work(), deadline=deadline)
+                self._take(block=not self.engine.has_work())
+                deadline = self.drain_deadline
                 if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline):
-                    for completion in list(self.by_engine_id.values()):
-                        self.engine.abort(completion.engine_id)
-                        self._finish(completion, "abort")
-                    while self.engine.has_work():
-                        self._step()
+                    self._end_all()
+                    self.outbox.append(("closed",))
                     self._flush()
-                    self.engine.shutdown()
-                    return
+                    return self.failure
                 self._step()
                 self._flush()
         except BaseException as error:  # a failed collective, a dead peer: nothing more can run
             self.failure = f"{type(error).__name__}: {error}"
             print(f"dcp-compile serve: the engine stopped: {self.failure}", file=sys.stderr, flush=True)
-            self.outbox = []
-            for completion in list(self.by_engine_id.values()):
-                self._send(completion, ("error", f"the engine failed: {self.failure}"))
+            self.outbox = [("failed", self.failure)]
             self._flush()
-            self.on_failure()
+            return self.failure
         finally:
-            self.closed.set()
+            self.stopped.set()
+
+    def _end_all(self) -> None:
+        """Abort what still runs, finish the engine's last steps, stop the followers."""
+        for engine_id, request_id in list(self.by_engine_id.items()):
+            self.engine.abort(engine_id)
+            self.outbox.append(("tokens", request_id, [], "abort"))
+        self.by_id.clear()
+        self.by_engine_id.clear()
+        while self.engine.has_work():
+            self._step()
+        self.engine.shutdown()
+
+    def _flush(self) -> None:
+        if self.outbox and not self.front_gone:
+            batch, self.outbox = self.outbox, []
+            try:
+                self.events.send(batch)
+            except OSError:
+                self._lose_front()
+
+    def _lose_front(self) -> None:
+        """The HTTP process has gone: nobody reads what runs, so end it all now."""
+        self.front_gone = True
+        self.outbox = []
+        if self.drain_deadline is None:  # not asked to stop: the HTTP process failed
+            self.failure = "the HTTP process ended"
+            print(f"dcp-compile serve: {self.failure}; stopping the engine", file=sys.stderr, flush=True)
+            self.drain_deadline = time.monotonic()
+
+    def _take(self, block: bool) -> None:
+        idle = not self.engine.has_work()
+        gather_until = None
+        while not self.front_gone:
+            timeout = HEARTBEAT_SECONDS if block else 0.0
+            if gather_until is not None and self.engine.free_rows > 0:
+                block, timeout = True, max(0.0, gather_until - time.monotonic())
+            if not self.requests.poll(timeout):
+                return
+            try:
+                kind, *message = self.requests.recv()
+            except (EOFError, OSError):
+                self._lose_front()
+                return
+            block = False
+            if kind == "add" and idle and gather_until is None and self.admission_window > 0:
+                gather_until = time.monotonic() + self.admission_window
+            getattr(self, "_on_" + kind)(*message)
+
+    def _on_add(self, request_id: int, prompt: list[int], params) -> None:
+        if self.drain_deadline is not None:
+            self.outbox.append(("refused", request_id, "the server is shutting down"))
+            return
+        try:
+            engine_id = self.engine.add_request(prompt, params)
+        except ValueError as refused:
+            self.outbox.append(("refused", request_id, str(refused)))
+            return
+        self.by_id[request_id] = engine_id
+        self.by_engine_id[engine_id] = request_id
+
+    def _on_abort(self, request_id: int) -> None:
+        engine_id = self.by_id.pop(request_id, None)
+        if engine_id is not None:
+            del self.by_engine_id[engine_id]
+            self.engine.abort(engine_id)
+
+    def _on_status(self, tag: int) -> None:
+        self.outbox.append(("status", tag, self.status()))
+        self._flush()
+
+    def _on_drain(self, seconds: float) -> None:
+        self.drain(seconds)
 
     def _step(self) -> None:
         self.step_started = time.monotonic()
         events = self.engine.step()
         self.step_started = None
         for engine_id, event in events.items():
-            completion = self.by_engine_id.get(engine_id)
-            if completion is not None:
-                self._tokens(completion, event.tokens, event.finished_by)
+            request_id = self.by_engine_id.get(engine_id)
+            if request_id is None:
+                continue
+            self.outbox.append(("tokens", request_id, event.tokens, event.finished_by))
+            if event.finished_by is not None:
+                del self.by_engine_id[engine_id], self.by_id[request_id]
 
     def _watchdog(self) -> None:
-        while not self.closed.is_set():
+        while not self.stopped.is_set():
             started = self.step_started
             if started is not None and time.monotonic() - started > self.step_timeout:
-                self.failure = f"a step ran longer than --step-timeout {self.step_timeout:.0f}s (a rank hangs?)"
-                print(f"dcp-compile serve: {self.failure}; exiting", file=sys.stderr, flush=True)
+                print(f"dcp-compile serve: a step ran longer than --step-timeout {self.step_timeout:.0f}s (a rank "
+                      "hangs?); exiting", file=sys.stderr, flush=True)
                 os._exit(1)
             time.sleep(0.5)
 
-    def metrics_text(self) -> str:
+    def status(self) -> dict:
+        """The engine's counters, as ``/metrics`` names them."""
         from torch._dynamo.utils import counters
 
         stats = self.engine.stats
         steps, row_steps = stats["verify_steps"], stats["row_steps"]
-        lines = {
-            "dcp_requests_total": self.metrics["requests"],
-            "dcp_requests_finished_total": self.metrics["finished"],
+        return {
             "dcp_requests_running": self.engine.running,
             "dcp_requests_waiting": len(self.engine.waiting),
-            "dcp_tokens_total": self.metrics["tokens"],
             "dcp_verify_steps_total": steps,
             "dcp_mean_accept_length": round(stats["accepted"] / row_steps + 1, 4) if row_steps else 0.0,
             "dcp_step_seconds_total": round(stats["step_seconds"], 6),
             # The device's time in steps, and its idle time between steps launched back to
             # back: the host's share of the critical path (SpecEngine.stats).
-            "dcp_device_step_seconds_total": round(stats["device_step_seconds"], 6),
-            "dcp_device_wait_seconds_total": round(stats["device_wait_seconds"], 6),
+            "dcp_device_step_seconds_total": round(stats.get("device_step_seconds", 0.0), 6),
+            "dcp_device_wait_seconds_total": round(stats.get("device_wait_seconds", 0.0), 6),
             # Steady state: arrivals and departures must leave these two unchanged.
             "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
             "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),
         }
-        return "".join(f"{name} {value}\n" for name, value in lines.items())
+
+
+def serve_in_thread(engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0) -> Frontend:
+    """A ``Frontend`` over an ``EngineLoop`` that runs ``engine`` in a thread of this
+    process, through the same pipes as between the server's two processes: the HTTP side
+    in one process with an engine (a scripted one in tests).  ``Frontend.close`` ends it."""
+    from multiprocessing import Pipe
+
+    requests_in, requests_out = Pipe(duplex=False)
+    events_in, events_out = Pipe(duplex=False)
+    loop = EngineLoop(engine, requests_in, events_out, step_timeout=step_timeout, admission_window=admission_window)
+    threading.Thread(target=loop.run, name="dcp-engine", daemon=True).start()
+    return Frontend(requests_out, events_in, engine.limits)

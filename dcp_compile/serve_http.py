@@ -1,6 +1,7 @@
-"""The HTTP side of ``dcp-compile serve`` (Starlette): the routes over an ``EngineThread``,
-and the OpenAI response and stream-chunk shapes.  Starlette is the serve extra's: only
-``serve.serve`` imports this module, once ``serve.check_arguments`` has found it.
+"""The HTTP side of ``dcp-compile serve`` (Starlette): the routes over a ``Frontend``, the
+OpenAI response and stream-chunk shapes, and ``run_http``, the HTTP process's body.
+Starlette is the serve extra's: only ``serve.serve`` imports this module, once
+``serve.check_arguments`` has found it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from dcp_compile.serve_engine import EngineThread
+from dcp_compile.serve_frontend import STATUS_TIMEOUT_SECONDS, Frontend
 from dcp_compile.serve_requests import Completion, parse_chat, parse_completion
 from dcp_compile.text import Codec
 
@@ -65,17 +66,17 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def _unavailable(worker: EngineThread) -> JSONResponse | None:
+def _unavailable(worker: Frontend) -> JSONResponse | None:
     """The 503 of a server whose engine failed or that is shutting down; None otherwise."""
     if worker.failure:
         return _error(503, f"the engine failed: {worker.failure}", "server_error")
-    if worker.draining:
+    if worker.draining or worker.closed.is_set():
         return _error(503, "the server is shutting down", "server_error")
     return None
 
 
-async def _run(worker: EngineThread, request: Request, parse):
-    """One completion request: parsed and checked (400), handed to the engine thread, and
+async def _run(worker: Frontend, request: Request, parse):
+    """One completion request: parsed and checked (400), handed to the engine, and
     answered whole or as a stream."""
     unavailable = _unavailable(worker)
     if unavailable is not None:
@@ -86,7 +87,7 @@ async def _run(worker: EngineThread, request: Request, parse):
         return _error(400, f"the body is not valid JSON: {bad}")
     try:
         completion = parse(body)
-        worker.engine.check_request(completion.prompt, completion.params)
+        worker.check(completion)
     except ValueError as bad:
         return _error(400, str(bad))
     completion.loop, completion.events = asyncio.get_running_loop(), asyncio.Queue()
@@ -107,8 +108,8 @@ async def _run(worker: EngineThread, request: Request, parse):
     return JSONResponse(_response(completion, text, reason))
 
 
-async def _stream(worker: EngineThread, completion: Completion):
-    """A request's server-sent events, as the engine thread hands its text over; a client
+async def _stream(worker: Frontend, completion: Completion):
+    """A request's server-sent events, as the frontend hands its text over; a client
     that goes away has its request aborted."""
     chunks = _chat_chunks if completion.chat else _completion_chunks
     # With include_usage every chunk has a usage field (null), and the last one,
@@ -145,7 +146,7 @@ async def _stream(worker: EngineThread, completion: Completion):
             worker.cancel(completion)
 
 
-def build_app(worker: EngineThread, codec: Codec, model_name: str) -> Starlette:
+def build_app(worker: Frontend, codec: Codec, model_name: str) -> Starlette:
     """The HTTP side: routes over ``worker``, prompts and texts through ``codec``, and
     ``model_name`` as the one model ``/v1/models`` lists."""
     started = int(time.time())
@@ -154,7 +155,7 @@ def build_app(worker: EngineThread, codec: Codec, model_name: str) -> Starlette:
         return await _run(worker, request, lambda body: parse_completion(body, model_name, codec))
 
     async def chat_completions(request: Request):
-        context = worker.engine.max_seq_len - worker.engine.k - 1
+        context = worker.limits.max_seq_len - worker.limits.k - 1
         return await _run(worker, request, lambda body: parse_chat(body, model_name, codec, context=context))
 
     async def models(request: Request):
@@ -162,13 +163,17 @@ def build_app(worker: EngineThread, codec: Codec, model_name: str) -> Starlette:
             {"id": model_name, "object": "model", "created": started, "owned_by": "dcp-compile"}]})
 
     async def health(request: Request):
+        status = await worker.status()
         unavailable = _unavailable(worker)
         if unavailable is not None:
             return unavailable
-        return JSONResponse({"status": "ok", "running": worker.engine.running, "waiting": len(worker.engine.waiting)})
+        if status is None:
+            return _error(503, f"the engine did not answer in {STATUS_TIMEOUT_SECONDS:.0f}s", "server_error")
+        return JSONResponse({"status": "ok", "running": status["dcp_requests_running"],
+                             "waiting": status["dcp_requests_waiting"]})
 
     async def metrics(request: Request):
-        return PlainTextResponse(worker.metrics_text())
+        return PlainTextResponse(worker.metrics_text(await worker.status()))
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
@@ -177,3 +182,29 @@ def build_app(worker: EngineThread, codec: Codec, model_name: str) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ])
+
+
+def run_http(requests, events, limits, args, model_name: str) -> None:
+    """The HTTP process: Starlette on uvicorn over a ``Frontend`` on the engine process's
+    pipes, until the engine drains, fails or goes away.  Signals are the engine
+    process's to act on (a terminal's Ctrl-C reaches both): it drains, and says so."""
+    import signal
+    import sys
+
+    import uvicorn
+
+    from dcp_compile import loading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    codec = loading.codec(loading.resolve(args.model, args.draft))
+    frontend = Frontend(requests, events, limits)
+    config = uvicorn.Config(build_app(frontend, codec, model_name), host=args.host, port=args.port,
+                            log_level="warning", timeout_graceful_shutdown=args.drain_seconds)
+    server = uvicorn.Server(config)
+    frontend.on_stop = lambda: setattr(server, "should_exit", True)
+    frontend.start()
+    server.handle_exit = lambda *_: None  # uvicorn's own drain on a signal: the engine process drains
+    print(f"dcp-compile serve: listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server.run()
+    sys.exit(1 if frontend.failure else 0)

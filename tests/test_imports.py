@@ -99,6 +99,7 @@ LAYERS = (
     ("loading", "export"),
     ("training", "gate"),
     ("arms", "serve_requests"),
+    ("serve_frontend",),
     ("serve_engine",),
     ("serve_http",),
     ("serve", "cli"),

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,7 +195,10 @@ def test_sigterm_drains_running_requests_and_exits_0(server):
     assert process.wait(timeout=60) == 0
 
 
-def _children(pid: int) -> list[int]:
+def _followers(pid: int, log: Path) -> list[int]:
+    """The server's follower ranks: its spawned children but the HTTP process, which the
+    log names."""
+    http = int(re.search(r"HTTP in pid (\d+)", log.read_text()).group(1))
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -205,7 +209,8 @@ def _children(pid: int) -> list[int]:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
                 children.append(int(entry.name))
-    return children
+    assert http in children, (http, children)
+    return [child for child in children if child != http]
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds the follower rank through /proc")
@@ -216,7 +221,7 @@ def test_a_killed_follower_ends_the_server_with_an_error(tmp_path):
     process = start_server(port, tmp_path / "server.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        followers = _children(process.pid)
+        followers = _followers(process.pid, tmp_path / "server.log")
         assert len(followers) == 1, followers
         with httpx.stream("POST", f"{url}/v1/completions", json=dict(prompt="import sys\n", max_tokens=300, stream=True),
                           timeout=60) as response:
@@ -239,7 +244,7 @@ def test_a_hung_follower_ends_the_server_within_the_collective_timeout(tmp_path)
 
     port = free_port()
     process = start_server(port, tmp_path / "server.log", "--collective-timeout", "5")
-    followers = _children(process.pid)
+    followers = _followers(process.pid, tmp_path / "server.log")
     try:
         assert len(followers) == 1, followers
         os.kill(followers[0], signal.SIGSTOP)  # idle: only the heartbeat notices

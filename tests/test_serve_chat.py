@@ -1,7 +1,8 @@
 """`dcp-compile serve`'s HTTP side through the official ``openai`` client, in process.
 
-The app ``build_app`` returns runs over the real ``EngineThread`` and a real codec
-(tokenizers trained offline, ``tests/support/text.py``); the engine is a scripted fake
+The app ``build_app`` returns runs over the real ``Frontend`` and ``EngineLoop`` (in a
+thread, through the pipes the server's two processes use) and a real codec (tokenizers
+trained offline, ``tests/support/text.py``); the engine is a scripted fake
 that answers every prompt with the same token ids, so the texts, ends and token counts
 are known exactly.  What the engine itself does is tested in tests/runtime; the server
 against the shipped pair on 2 ranks in tests/test_serve.py.
@@ -19,7 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine, StepEvent, cut_at_stop
-from dcp_compile.serve_engine import EngineThread
+from dcp_compile.serve_engine import serve_in_thread
 from dcp_compile.serve_http import build_app
 from dcp_compile.text import ByteCodec, HFCodec
 from tests.support.text import tokenizer_dir
@@ -30,7 +31,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 class ScriptedEngine:
-    """The part of ``SpecEngine`` the engine thread drives: every request decodes
+    """The part of ``SpecEngine`` the engine loop drives: every request decodes
     ``script(prompt)``, ``per_step`` tokens a step, and ends at the first of ``stop_ids``
     (that token kept, as ``SpecEngine`` keeps it) or after ``max_new_tokens``."""
 
@@ -49,7 +50,8 @@ class ScriptedEngine:
         self.batch_sizes: list[int] = []
         """Requests each step served."""
 
-    check_request = SpecEngine.check_request  # the real refusals: vocabulary, cache room, temperature
+    limits = SpecEngine.limits  # the real refusals: vocabulary, cache room, temperature
+    check_request = SpecEngine.check_request
 
     def add_request(self, prompt, params: SamplingParams) -> int:
         self.check_request(prompt, params)
@@ -116,7 +118,7 @@ class Server:
         self.reply = reply_ids(codec)
         vocab = 256 if isinstance(codec, ByteCodec) else len(codec.tokenizer)
         self.engine = ScriptedEngine(lambda prompt: self.reply, vocab=vocab, stop_ids=codec.eos_ids, **engine_options)
-        self.worker = EngineThread(self.engine, step_timeout=60)
+        self.worker = serve_in_thread(self.engine, step_timeout=60)
         self.http = TestClient(build_app(self.worker, codec, MODEL))
 
     def __enter__(self):
@@ -205,8 +207,13 @@ def test_completions_with_usage_and_stop_strings(server):
     short = client.completions.create(model=MODEL, prompt=ids, max_tokens=3)  # token ids as the prompt
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
     assert short.choices[0].text == server.text_after(ids, 3)
+    before = len(server.engine.aborted)
     cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, stop=["va?"])
     assert cut.choices[0].text == choice.text[: choice.text.index("va?")] and cut.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while len(server.engine.aborted) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(server.engine.aborted) == before + 1, "the stop string frees the row, not only ends the text"
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, stop="va?", stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks[:-1]) == cut.choices[0].text
@@ -283,7 +290,7 @@ def _burst(window: float, rows: int, arrivals: int) -> tuple[ScriptedEngine, lis
     first_step = []
     step = engine.step
     engine.step = lambda: (first_step.append(time.monotonic()) if not first_step else None, step())[1]
-    worker = EngineThread(engine, step_timeout=60, admission_window=window)
+    worker = serve_in_thread(engine, step_timeout=60, admission_window=window)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     worker.start()
@@ -310,3 +317,27 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_prefill():
 def test_the_window_ends_once_the_rows_are_taken():
     engine, (after_last,) = _burst(window=5.0, rows=2, arrivals=2)
     assert engine.batch_sizes[0] == 2 and after_last < 2.0, "no wait for arrivals that could not be admitted"
+
+
+def test_the_engine_stops_when_the_http_process_goes_away():
+    """The HTTP process's ends of the pipes closing (it died) end the engine loop: what
+    runs is aborted, the followers are stopped, and the loop reports a failure (the
+    server exits 1)."""
+    import threading
+    from multiprocessing import Pipe
+
+    from dcp_compile.serve_engine import EngineLoop
+
+    engine = ScriptedEngine(lambda prompt: [65] * 1000, vocab=256, stop_ids=frozenset(), per_step=1)
+    requests_in, requests_out = Pipe(duplex=False)
+    events_in, events_out = Pipe(duplex=False)
+    loop = EngineLoop(engine, requests_in, events_out, step_timeout=60)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
+    thread.start()
+    requests_out.send(("add", 7, [1, 2, 3], SamplingParams(max_new_tokens=200)))
+    assert events_in.recv()[0][:3] == ("tokens", 7, [65])  # it runs
+    requests_out.close()
+    events_in.close()
+    thread.join(timeout=10)
+    assert result == ["the HTTP process ended"] and engine.aborted == [0] and engine.stopped

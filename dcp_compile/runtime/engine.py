@@ -19,7 +19,6 @@ Every rank must take the same decisions.  Two ways to arrange it:
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 from collections import deque
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_compile.runtime.generate import tokens_prefilled
-from dcp_compile.runtime.request import RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
+from dcp_compile.runtime.request import RequestLimits, RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
 from dcp_compile.runtime.spec import SpecDecoder
 from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, start_rows, stop_rows
 
@@ -142,37 +141,17 @@ class SpecEngine:
 
     # ---- requests (rank 0 in leader mode; every rank otherwise)
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What every request is checked against, as plain data (``dcp-compile serve``'s
+        HTTP process checks requests with it, away from the engine)."""
+        return RequestLimits(vocab=self.vocab, max_seq_len=self.max_seq_len, k=self.k,
+                             temperature=self.decoder.temperature)
+
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:
         """The prompt as a list and the request's temperature, or ``ValueError`` saying what
         is wrong with them."""
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"a prompt is a sequence of token ids, got {type(prompt).__name__}")
-        tokens = list(prompt)
-        if not tokens:
-            raise ValueError("empty prompt: a request needs at least one token")
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab}); got {bad[:5]!r}")
-        n = params.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
-        need = len(tokens) + n + self.k + 1
-        if need > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} cache "
-                f"positions; the cache holds max_seq_len={self.max_seq_len}"
-            )
-        temperature = self.decoder.temperature if params.temperature is None else params.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-                or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)
-                                        or not 0 <= params.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")
-        if params.eos_id is not None and (isinstance(params.eos_id, bool) or not isinstance(params.eos_id, int)
-                                          or not 0 <= params.eos_id < self.vocab):
-            raise ValueError(f"eos_id must be a token id in [0, {self.vocab}), got {params.eos_id!r}")
-        return tokens, float(temperature)
+        return self.limits.check(prompt, params)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id.  Raises ``ValueError`` for a request the

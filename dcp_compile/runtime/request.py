@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -15,6 +17,51 @@ class SamplingParams:
     requests in the batch; ``None`` draws from the engine's shared generator."""
     eos_id: int | None = None
     """Ends this request, as the engine's ``stop_ids`` end every request."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against (``SpecEngine.check_request``): plain data, so a
+    process without the engine checks requests exactly as the engine would."""
+
+    vocab: int
+    max_seq_len: int
+    k: int
+    """Draft tokens a step verifies: a row needs ``k + 1`` positions past its last token."""
+    temperature: float
+    """The decoder's, for a request that gives none."""
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:
+        """The prompt as a list and the request's temperature, or ``ValueError`` saying what
+        is wrong with them."""
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is a sequence of token ids, got {type(prompt).__name__}")
+        tokens = list(prompt)
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab}); got {bad[:5]!r}")
+        n = params.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        need = len(tokens) + n + self.k + 1
+        if need > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} cache "
+                f"positions; the cache holds max_seq_len={self.max_seq_len}"
+            )
+        temperature = self.temperature if params.temperature is None else params.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)
+                                        or not 0 <= params.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")
+        if params.eos_id is not None and (isinstance(params.eos_id, bool) or not isinstance(params.eos_id, int)
+                                          or not 0 <= params.eos_id < self.vocab):
+            raise ValueError(f"eos_id must be a token id in [0, {self.vocab}), got {params.eos_id!r}")
+        return tokens, float(temperature)
 
 
 @dataclass
