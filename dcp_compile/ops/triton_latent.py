@@ -7,9 +7,11 @@ the value, so every query head of a sequence shares each slot's load.  It serves
 kernel of ``triton_prefix.py``, whose softmax steps, slicing and merge it shares) and, in
 its causal form, ``dcp::latent_window_attention`` (the new tokens), for any number of new
 tokens: at decode a program holds all heads of a sequence, for a prefill chunk 64
-consecutive tokens of one head.  The ops are registered as ``triton_prefix.py`` explains
-for the GQA prefix: the torch reference stays the op's default kernel, CUDA calls and
-``torch.compile`` reach the triton_ops.
+consecutive tokens of one head.  Where compute binds (64 or more query rows a sequence, on
+Hopper) the prefix goes to the Gluon kernel of ``gluon_latent.py`` instead
+(``latent_prefix_kernel``), an opaque op of its own.  The ops are registered as
+``triton_prefix.py`` explains for the GQA prefix: the torch reference stays the op's
+default kernel, CUDA calls and ``torch.compile`` reach the triton_ops.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from dcp_compile.ops.triton_prefix import (
     MAX_ROWS, SUPPORTED_DTYPES, _masked_softmax_step, _merge_splits, _num_splits, _softmax_step, _split_outputs,
     _split_range, _store_partial,
 )
+
+try:  # Gluon (Triton 3.5 and later): the compute-bound prefix on Hopper; without it the split-KV kernel serves all
+    from dcp_compile.ops import gluon_latent
+except ImportError:
+    gluon_latent = None
 
 
 @triton.jit
@@ -176,6 +183,17 @@ def check_latent_inputs(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tenso
     check_index("the latent kernel", name, extra, B, T if window else None, {"q": q, "latent": latent, "rope": rope})
 
 
+def latent_prefix_kernel(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, overrides: dict) -> str:
+    """``"seesaw"`` (``gluon_latent.py``) where compute binds: 64 or more query rows
+    (``H * T``) a sequence on Hopper, in the shapes that kernel takes; ``"split"`` (this
+    module's split-KV kernel) otherwise, and whenever a tile override asks for it.  On an
+    H200 the seesaw kernel ran 391-574 TFLOP/s where the split-KV kernel ran 221-285
+    (H=128 x T=1 and H=16 x T=4..16, 8K-32K slots)."""
+    if gluon_latent is None or any(v is not None for v in overrides.values()):
+        return "split"
+    return "seesaw" if gluon_latent.gluon_latent_fits(q, latent, rope) else "split"
+
+
 def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict):
     """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``)."""
     check_latent_inputs(q, latent, rope, kv_len, positions)
@@ -185,6 +203,8 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
             f"and rope [B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
             f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype} (a prefill chunk this large: use smaller chunks)"
         )
+    if positions is None and latent_prefix_kernel(q, latent, rope, overrides) == "seesaw":
+        return torch.ops.dcp.latent_prefix_attention_gluon(q, latent, rope, kv_len, scale, num_splits)
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
     tiles = latent_tiles(H * T, C + R, q.element_size())
@@ -233,9 +253,10 @@ def latent_prefix_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``latent_prefix_attention`` by the Triton kernels: ``q [B, H, T, C + R]`` over
     ``latent [B, 1, S, C]`` and ``rope [B, 1, S, R]``; ``(out fp32 [B, H, T, C], lse fp32
-    [B, H, T])``.  ``num_splits`` as for ``prefix_attention_triton``; ``block_s``, ``rows``,
-    ``num_warps`` and ``num_stages`` override ``latent_tiles`` (values from
-    ``LATENT_TILE_CHOICES``), for tests and tuning."""
+    [B, H, T])``.  ``latent_prefix_kernel`` picks the kernel.  ``num_splits`` as for
+    ``prefix_attention_triton``; ``block_s``, ``rows``, ``num_warps`` and ``num_stages``
+    override ``latent_tiles`` (values from ``LATENT_TILE_CHOICES``) and so take the
+    split-KV kernel, for tests and tuning."""
     return _latent_launch(q, latent, rope, kv_len, None, scale, num_splits,
                           dict(block_s=block_s, rows=rows, num_warps=num_warps, num_stages=num_stages))
 

@@ -143,6 +143,77 @@ def test_latent_kernel_matches_float64_reference_on_gpu(name):
     assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
 
 
+# The seesaw kernel (``gluon_latent.py``): DeepSeek's slot (512 + 64) in bf16, 64 or more
+# query rows a sequence; ragged lengths with a 0, NaN in every dead slot, partial row blocks.
+SEESAW_CASES = {
+    "h128-t1": make_case(40, t=1, h=128, c=512, r=64, s=700, kv_len=(700, 0, 333, 64), dtype=torch.bfloat16),
+    "h128-t4": make_case(41, t=4, h=128, c=512, r=64, s=200, kv_len=(200, 71), dtype=torch.bfloat16),
+    "h16-t4": make_case(42, t=4, h=16, c=512, r=64, s=500, kv_len=(500, 1, 0, 129), dtype=torch.bfloat16),
+    "h16-t16": make_case(43, t=16, h=16, c=512, r=64, s=300, kv_len=(0, 300, 127), dtype=torch.bfloat16),
+    "h16-t5-partial-rows": make_case(44, t=5, h=16, c=512, r=64, s=260, kv_len=(260, 77), dtype=torch.bfloat16),
+    "h128-t1-splits3": make_case(45, t=1, h=128, c=512, r=64, s=1000, kv_len=(1000, 517, 0), dtype=torch.bfloat16,
+                                 num_splits=3),
+}
+
+
+def test_the_seesaw_kernel_takes_64_rows_or_more_of_deepseek_slots_in_bf16():
+    gluon_latent = pytest.importorskip("dcp_compile.ops.gluon_latent")
+
+    def fits(h=16, t=4, c=512, r=64, dtype=torch.bfloat16, s=8):
+        q = torch.empty(2, h, t, c + r, dtype=dtype, device="meta")
+        latent, rope = torch.empty(2, 1, s, c, dtype=dtype, device="meta"), torch.empty(2, 1, s, r, dtype=dtype)
+        return gluon_latent.seesaw_shapes_fit(q, latent, rope.to("meta"))
+
+    assert fits(t=4) and fits(h=128, t=1) and fits(t=16)
+    assert not fits(t=3), "48 rows are memory-bound: the split-KV kernel"
+    assert not fits(h=63, t=1) and fits(h=64, t=1), "the boundary is H * T = 64"
+    assert not fits(dtype=torch.float16) and not fits(dtype=torch.float32)
+    assert not fits(c=256, r=64) and not fits(c=512, r=32)
+
+
+def test_tile_overrides_and_cpu_tensors_take_the_split_kernel():
+    from dcp_compile.ops.triton_latent import latent_prefix_kernel
+
+    args, _ = SEESAW_CASES["h128-t1"]
+    assert latent_prefix_kernel(args["q"], args["latent"], args["rope"], {}) == "split"  # CPU tensors
+    assert latent_prefix_kernel(args["q"], args["latent"], args["rope"], {"num_stages": 2}) == "split"
+
+
+def hopper_with_gluon():
+    from dcp_compile.ops import triton_latent
+
+    if triton_latent.gluon_latent is None or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the seesaw kernel runs on Hopper, with Gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SEESAW_CASES))
+def test_seesaw_kernel_matches_float64_reference_on_gpu(name):
+    from dcp_compile.ops.triton_latent import latent_prefix_attention_triton, latent_prefix_kernel
+
+    hopper_with_gluon()
+    args, (latent, rope) = SEESAW_CASES[name]
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    assert latent_prefix_kernel(cuda["q"], cuda["latent"], cuda["rope"], {}) == "seesaw"
+    out, lse = latent_prefix_attention_triton(**cuda)
+    assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, kernel", [(3, "split"), (4, "seesaw")])
+def test_the_switch_between_the_latent_kernels_at_64_rows_on_gpu(t, kernel):
+    """16 heads: 3 tokens (48 rows) stay with the split-KV kernel, 4 (64 rows) take the seesaw
+    kernel; the registered op's results match float64 either way."""
+    from dcp_compile.ops.triton_latent import latent_prefix_kernel
+
+    hopper_with_gluon()
+    args, (latent, rope) = make_case(46 + t, t=t, h=16, c=512, r=64, s=400, kv_len=(400, 0, 200), dtype=torch.bfloat16)
+    cuda = {k: v.cuda() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    assert latent_prefix_kernel(cuda["q"], cuda["latent"], cuda["rope"], {}) == kernel
+    out, lse = torch.ops.dcp.latent_prefix_attention(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE)
+    assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
+
+
 def make_window_case(seed, *, t=4, h=4, c=32, r=16, positions=None, dtype=torch.float32, **tiles):
     """The latent window: the new tokens' latent and rope key, causal by global position."""
     gen = torch.Generator().manual_seed(seed)
