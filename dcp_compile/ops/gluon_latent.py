@@ -13,7 +13,7 @@ taken two blocks of 64 slots (a pair) at a time, with two warpgroups:
   them to the other through shared memory, and multiplies the other's into its half.
   While one warpgroup does its softmax the other's products keep the tensor cores busy.
 
-Shared memory (230 KB of the 227 KiB a block may take): q's latent halves (64 KB), a
+Shared memory (225 KiB of the 227 KiB a block may take): q's latent halves (64 KB), a
 pair of slot blocks, each as two latent halves and the rope (144 KB), and the two
 probability tiles (16 KB); q's rope part lives in registers.  Each block is loaded by TMA
 in two parts that are freed at different times: the owner's value half and the rope after
@@ -288,7 +288,7 @@ def gluon_latent_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor)
 
 
 def seesaw_splits(batch: int, row_blocks: int, capacity: int, sm_count: int, num_splits: int | None) -> tuple[int, int]:
-    """``(num_splits, split_len)``: one program an SM (230 KB of shared memory each), so
+    """``(num_splits, split_len)``: one program an SM (225 KiB of shared memory each), so
     ``sm_count // programs`` slices of whole pairs, or the caller's count."""
     if num_splits is None:
         num_splits = max(1, min(sm_count // (batch * row_blocks), MAX_SPLITS))
