@@ -228,12 +228,16 @@ def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, W: gl.const
 
 
 @gluon.jit
-def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, qk_scale, S, HT, split_len):
+def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, qk_scale, S, HT):
     rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
+    # Each program cuts its own sequence's slots, not the cache's capacity: a short
+    # sequence in a long cache still spreads over every slice.
+    kv_len = gl.load(KV_LEN + b).to(gl.int32)
+    split_len = gl.cdiv(kv_len, gl.num_programs(1) * 128) * 128
     lo = split * split_len
-    hi = gl.minimum(lo + split_len, gl.load(KV_LEN + b).to(gl.int32))
+    hi = gl.minimum(lo + split_len, kv_len)
     n_pairs = gl.cdiv(gl.maximum(hi - lo, 0), 128)
 
     q_l = gl.allocate_shared_memory(gl.bfloat16, [1, 64, _HALF], q_desc.layout)
@@ -287,15 +291,15 @@ def gluon_latent_fits(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor)
     return on_hopper and seesaw_shapes_fit(q, latent, rope)
 
 
-def seesaw_splits(batch: int, row_blocks: int, capacity: int, sm_count: int, num_splits: int | None) -> tuple[int, int]:
-    """``(num_splits, split_len)``: one program an SM (225 KiB of shared memory each), so
-    ``sm_count // programs`` slices of whole pairs, or the caller's count."""
+def seesaw_splits(batch: int, row_blocks: int, capacity: int, sm_count: int, num_splits: int | None) -> int:
+    """Slices a sequence's slots are cut into: one program an SM (225 KiB of shared memory
+    each), so ``sm_count // programs`` of them, no more than the capacity's pairs; or the
+    caller's count.  Each program cuts its own sequence's length (``kv_len``) on the device."""
     if num_splits is None:
-        num_splits = max(1, min(sm_count // (batch * row_blocks), MAX_SPLITS))
-    elif not 1 <= num_splits <= MAX_SPLITS:
+        return max(1, min(sm_count // (batch * row_blocks), MAX_SPLITS, triton.cdiv(max(capacity, 1), PAIR_SLOTS)))
+    if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
-    split_len = triton.cdiv(max(capacity, 1), num_splits * PAIR_SLOTS) * PAIR_SLOTS
-    return triton.cdiv(max(capacity, 1), split_len), split_len
+    return num_splits
 
 
 def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> list:
@@ -325,10 +329,10 @@ def latent_prefix_attention_gluon(
     B, H, T, _ = (int(n) for n in q.shape)
     S = int(latent.shape[2])
     row_blocks = triton.cdiv(H * T, 64)
-    num_splits, split_len = seesaw_splits(B, row_blocks, S, sm_count_of(q.device), num_splits)
+    num_splits = seesaw_splits(B, row_blocks, S, sm_count_of(q.device), num_splits)
     out, lse, o_part, lse_part, _, _ = _split_outputs(q, LATENT_WIDTH, num_splits)
     _latent_seesaw_kernel[(row_blocks, num_splits, B)](
-        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, S, H * T, split_len,
+        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, S, H * T,
         num_warps=4,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
