@@ -104,7 +104,7 @@ def server(args, requests) -> dict:
                str(args.max_seq_len), "--model", args.model, "--k", str(args.k), "--chunk-size", str(args.chunk_size)]
     options += ["--draft", args.draft] if args.draft else []
     options += args.server_args.split() if args.server_args else []
-    process = load_test.start_server(options, port, args.server_log, args.start_seconds)
+    process = load_test.start_server(options, port, args.server_log, args.start_seconds, args.server_tree)
     try:
         # a first pass warms the server's prefill for every prompt width bucket
         asyncio.run(load_test.run_load(url, requests[: args.max_batch], args.concurrency))
@@ -240,6 +240,8 @@ def main() -> None:
     parser.add_argument("--arms", default="offline,server", help="which of offline,server to run")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--server-args", help="more `dcp-compile serve` options, e.g. '--admission-window-ms 0'")
+    parser.add_argument("--server-tree", metavar="DIR",
+                        help="serve with the dcp_compile package in DIR (another version's, side by side)")
     parser.add_argument("--start-seconds", type=float, default=300)
     parser.add_argument("--server-log", default="/tmp/bench_serve_server.log")
     parser.add_argument("--out")

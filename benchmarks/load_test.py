@@ -21,10 +21,12 @@ import time
 import httpx
 
 
-def start_server(options: list[str], port: int, log_path, start_seconds: float):
+def start_server(options: list[str], port: int, log_path, start_seconds: float, tree=None):
     """``dcp-compile serve --port PORT OPTIONS`` in a subprocess, its output in ``log_path``;
     returns the process once ``/health`` answers 200.  Raises with the log's tail if the
-    server exits or stays silent past ``start_seconds`` (it is killed then)."""
+    server exits or stays silent past ``start_seconds`` (it is killed then).  ``tree``: a
+    directory holding another ``dcp_compile`` package to serve with (run from there, as
+    ``python -m`` puts the working directory ahead of ``PYTHONPATH``)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -32,7 +34,7 @@ def start_server(options: list[str], port: int, log_path, start_seconds: float):
     log_path = Path(log_path)
     command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--port", str(port), *options]
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=log)
+        process = subprocess.Popen(command, stdout=log, stderr=log, cwd=tree)
     deadline = time.monotonic() + start_seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:

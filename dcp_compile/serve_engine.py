@@ -1,8 +1,10 @@
 """The loop that drives the engine on rank 0 of ``dcp-compile serve``.
 
 It reads the HTTP process's messages from one pipe and writes its own to another
-(``serve_frontend.Frontend`` is the other end), and between two steps does nothing else:
-no text, no stop strings, no HTTP.  Messages in:
+(``serve_frontend.Frontend`` is the other end), and does nothing else: no text, no stop
+strings, no HTTP.  While the engine runs, both pipes are served from inside each step, once
+the step is launched (``SpecEngine.step``'s ``while_running``): the host would wait for the
+step before it there anyway, so the pipes never delay a launch.  Messages in:
 
 - ``("add", id, prompt, params)``: a request, already checked against the engine's limits;
 - ``("abort", id)``: free its row at the next step;
@@ -21,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 
 from dcp_compile.runtime.engine import SpecEngine
 from dcp_compile.serve_frontend import Frontend
@@ -46,6 +49,10 @@ class EngineLoop:
         """The HTTP process's request ids to the engine's."""
         self.by_engine_id: dict[int, int] = {}
         self.outbox: list[tuple] = []
+        self.inbox: deque[tuple] = deque()
+        """Messages read during a step, acted on before the next."""
+        self.unsent: dict = {}
+        """The last step's events, posted once the next step is launched."""
         self.drain_deadline: float | None = None
         self.front_gone = False
         self.failure: str | None = None
@@ -72,7 +79,9 @@ class EngineLoop:
                     self._flush()
                     return self.failure
                 self._step()
-                self._flush()
+                if not self.engine.has_work():  # no next step to send them from
+                    self._post()
+                    self._flush()
         except BaseException as error:  # a failed collective, a dead peer: nothing more can run
             self.failure = f"{type(error).__name__}: {error}"
             print(f"dcp-compile serve: the engine stopped: {self.failure}", file=sys.stderr, flush=True)
@@ -84,6 +93,7 @@ class EngineLoop:
 
     def _end_all(self) -> None:
         """Abort what still runs, finish the engine's last steps, stop the followers."""
+        self._post()  # the last step's tokens and ends first: a request it finished is not aborted
         for engine_id, request_id in list(self.by_engine_id.items()):
             self.engine.abort(engine_id)
             self.outbox.append(("tokens", request_id, [], "abort"))
@@ -110,20 +120,36 @@ class EngineLoop:
             print(f"dcp-compile serve: {self.failure}; stopping the engine", file=sys.stderr, flush=True)
             self.drain_deadline = time.monotonic()
 
+    def _receive(self) -> None:
+        """Read what the HTTP process has sent, without acting on it (``_take`` does)."""
+        while not self.front_gone and self.requests.poll(0):
+            try:
+                self.inbox.append(self.requests.recv())
+            except (EOFError, OSError):
+                self._lose_front()
+
     def _take(self, block: bool) -> None:
+        """Act on the messages received during the last step; an idle engine (``block``)
+        also waits on the pipe for more, and for an admission window."""
+        running = not block  # a running engine reads its pipe during each step (_while_running)
         idle = not self.engine.has_work()
         gather_until = None
         while not self.front_gone:
-            timeout = HEARTBEAT_SECONDS if block else 0.0
-            if gather_until is not None and self.engine.free_rows > 0:
-                block, timeout = True, max(0.0, gather_until - time.monotonic())
-            if not self.requests.poll(timeout):
-                return
-            try:
-                kind, *message = self.requests.recv()
-            except (EOFError, OSError):
-                self._lose_front()
-                return
+            if self.inbox:
+                kind, *message = self.inbox.popleft()
+            else:
+                if running:
+                    return
+                timeout = HEARTBEAT_SECONDS if block else 0.0
+                if gather_until is not None and self.engine.free_rows > 0:
+                    block, timeout = True, max(0.0, gather_until - time.monotonic())
+                if not self.requests.poll(timeout):
+                    return
+                try:
+                    kind, *message = self.requests.recv()
+                except (EOFError, OSError):
+                    self._lose_front()
+                    return
             block = False
             if kind == "add" and idle and gather_until is None and self.admission_window > 0:
                 gather_until = time.monotonic() + self.admission_window
@@ -156,8 +182,21 @@ class EngineLoop:
 
     def _step(self) -> None:
         self.step_started = time.monotonic()
-        events = self.engine.step()
+        events = self.engine.step(while_running=self._while_running)
         self.step_started = None
+        self.unsent = events
+
+    def _while_running(self) -> None:
+        """The loop's own work, done while the device runs the step just launched (the host
+        would wait for the one before it anyway): send the last step's tokens, read the
+        pipe.  Nothing here calls the engine."""
+        self._post()
+        self._flush()
+        self._receive()
+
+    def _post(self) -> None:
+        """Queue the last step's tokens for the HTTP process."""
+        events, self.unsent = self.unsent, {}
         for engine_id, event in events.items():
             request_id = self.by_engine_id.get(engine_id)
             if request_id is None:

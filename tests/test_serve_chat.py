@@ -76,7 +76,9 @@ class ScriptedEngine:
     def free_rows(self) -> int:
         return self.rows - len(self.requests)
 
-    def step(self) -> dict[int, StepEvent]:
+    def step(self, while_running=None) -> dict[int, StepEvent]:
+        if while_running is not None:  # where SpecEngine calls it: the step launched, the last not yet read
+            while_running()
         events = {}
         for rid, request in list(self.requests.items()):
             n = request["params"].max_new_tokens
@@ -270,8 +272,10 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(tokenizers):
             lines = response.iter_lines()
             first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
             assert first["choices"][0]["delta"]["role"] == "assistant"
+        # The role chunk can reach the client before the engine has taken the request: wait
+        # for the abort itself, not for an engine that merely looks idle.
         deadline = time.monotonic() + 10
-        while server.engine.running and time.monotonic() < deadline:
+        while not (server.engine.aborted and not server.engine.running) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert server.engine.aborted == [0] and not server.engine.running
         assert server.http.get("/health").json()["status"] == "ok"
@@ -289,7 +293,7 @@ def _burst(window: float, rows: int, arrivals: int) -> tuple[ScriptedEngine, lis
     engine.rows = rows
     first_step = []
     step = engine.step
-    engine.step = lambda: (first_step.append(time.monotonic()) if not first_step else None, step())[1]
+    engine.step = lambda **kw: (first_step.append(time.monotonic()) if not first_step else None, step(**kw))[1]
     worker = serve_in_thread(engine, step_timeout=60, admission_window=window)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -341,3 +345,57 @@ def test_the_engine_stops_when_the_http_process_goes_away():
     events_in.close()
     thread.join(timeout=10)
     assert result == ["the HTTP process ended"] and engine.aborted == [0] and engine.stopped
+
+
+def test_a_running_engine_serves_its_pipes_only_while_a_step_runs():
+    """The loop sends tokens and reads requests from inside each step, once it is launched
+    (``SpecEngine.step``'s ``while_running``), never between two steps while the engine has
+    work: there it would delay the next launch.  Every token still arrives, in order."""
+    import threading
+    from multiprocessing import Pipe
+
+    from dcp_compile.serve_engine import EngineLoop
+
+    engine = ScriptedEngine(lambda prompt: list(range(60, 80)), vocab=256, stop_ids=frozenset(), per_step=3)
+    trace = []
+    step = engine.step
+
+    def traced_step(while_running=None):
+        def inside():
+            trace.append("in")
+            while_running()
+            trace.append("out")
+        trace.append(("step", engine.has_work()))
+        return step(while_running=inside if while_running else None)
+
+    engine.step = traced_step
+    requests_in, requests_out = Pipe(duplex=False)
+    events_in, events_out = Pipe(duplex=False)
+    polls, receive = [], requests_in.poll
+    requests_in = SimpleNamespace(poll=lambda timeout=0.0: polls.append(len(trace)) or receive(timeout),
+                                  recv=requests_in.recv)
+    sent = SimpleNamespace(send=lambda batch: trace.append("send") or events_out.send(batch))
+    loop = EngineLoop(engine, requests_in, sent, step_timeout=60)
+    threading.Thread(target=loop.run, daemon=True).start()
+    requests_out.send(("add", 1, [1, 2], SamplingParams(max_new_tokens=17)))
+    tokens, ends = [], []
+    while not ends:
+        for kind, *message in events_in.recv():
+            assert kind != "failed", message
+            if kind == "tokens":
+                tokens += message[1]
+                ends += [message[2]] if message[2] else []
+    requests_out.send(("drain", 1.0))
+    while ("closed",) not in events_in.recv():
+        pass
+    assert tokens == list(range(60, 77)) and ends == ["length"]
+    # Between a running step's end and the next one's start: no send and no read of the pipe.
+    steps = [i for i, t in enumerate(trace) if isinstance(t, tuple)]
+    assert len([i for i in steps if trace[i][1]]) >= 5 and trace.count("send") >= 5
+    for start, end in zip(steps, steps[1:]):
+        if trace[start][1] and trace[end][1]:  # two steps back to back with work
+            inside = range(trace.index("in", start) + 1, trace.index("out", start) + 1)
+            sends = [i for i in range(start, end) if trace[i] == "send"]
+            # ``polls`` holds the trace's length at each poll: it came after trace[p - 1]
+            assert all(i in inside for i in sends)
+            assert all(p in inside for p in polls if start < p <= end)

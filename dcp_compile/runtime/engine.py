@@ -13,8 +13,8 @@ Every rank must take the same decisions.  Two ways to arrange it:
 - every rank makes the same calls (``generate_all`` does: SPMD);
 - ``leader=True``: rank 0 alone takes requests and aborts; each ``step`` starts with one
   fixed-size broadcast from rank 0 saying what the step admits and aborts (then the
-  admitted prompts' tokens), and the other ranks run ``follow()`` until rank 0 calls
-  ``shutdown()``.
+  admitted prompts' tokens), host to host in a gloo group of its own, and the other ranks
+  run ``follow()`` until rank 0 calls ``shutdown()``.
 """
 
 from __future__ import annotations
@@ -107,6 +107,10 @@ class SpecEngine:
         self.device_step.verify_steps = 0
         self.leader = leader and self.group.size > 1
         self.is_leader = self.group.rank == 0 or not self.leader
+        self.control = dist.new_group(backend="gloo") if self.leader else None
+        """Leader mode: the group the plans travel in, on the host (gloo).  A broadcast in
+        the device's group would queue behind the step in flight, so every rank's host
+        would wait for its device before launching the next step."""
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
         self.vocab = decoder.target.vocab_size
         # The decoder's own: its captured steps hold these generators.
@@ -218,17 +222,15 @@ class SpecEngine:
             for row in plan.aborts:
                 table[row, 8] = 1
             header[1] = len(prompt_tokens)
-        header = header.to(self.device)
-        pg = self.group.process_group
+        pg = self.control
         self._wait(dist.broadcast(header, src=0, group=pg, async_op=True))
         if plan is not None:
             if prompt_tokens:
-                self._wait(dist.broadcast(torch.tensor(prompt_tokens, device=self.device), src=0, group=pg,
-                                          async_op=True))
+                self._wait(dist.broadcast(torch.tensor(prompt_tokens), src=0, group=pg, async_op=True))
             return plan
         header = header.tolist()
         plan = _Plan(stop=bool(header[0]))
-        tokens = torch.empty(header[1], dtype=torch.long, device=self.device)
+        tokens = torch.empty(header[1], dtype=torch.long)
         if header[1]:
             self._wait(dist.broadcast(tokens, src=0, group=pg, async_op=True))
         tokens = tokens.tolist()
@@ -274,9 +276,14 @@ class SpecEngine:
         return [r is not None and r.decoding for r in self.rows]
 
     @torch.no_grad()
-    def step(self) -> dict[int, StepEvent]:
+    def step(self, while_running: Callable[[], None] | None = None) -> dict[int, StepEvent]:
         """Apply this step's aborts and admissions, then run one speculative step for the
-        running rows.  Returns each touched request's new tokens and end."""
+        running rows.  Returns each touched request's new tokens and end.
+
+        ``while_running``: host work of the caller's (a server sends the last step's
+        tokens) called once the step is launched, before the host waits for the step
+        before it: there it overlaps the device's work instead of delaying the next
+        launch.  It must not call the engine."""
         start = time.perf_counter()
         if self.leader:
             plan = self._broadcast(self._plan() if self.is_leader else None)
@@ -289,8 +296,7 @@ class SpecEngine:
         if self.leader and not plan.admits and not plan.aborts and not any(self._live()):
             # An idle step is a round trip, so a rank that hangs fails it within the
             # group's timeout (a broadcast alone can complete into a socket buffer).
-            self._wait(dist.all_reduce(torch.ones(1, device=self.device), group=self.group.process_group,
-                                       async_op=True))
+            self._wait(dist.all_reduce(torch.ones(1), group=self.control, async_op=True))
         for request in self.aborted_waiting:
             events[request.id] = StepEvent(finished_by="aborted")
             self.requests.pop(request.id, None)
@@ -315,6 +321,8 @@ class SpecEngine:
         launched = self._launch() if any(self._live()) else None
         if launched is None:
             self._last_ready = None
+        if while_running is not None:
+            while_running()
         if self.in_flight is not None:
             self._collect(self.in_flight, events)
         self.in_flight = launched

@@ -155,6 +155,28 @@ def test_arrivals_and_departures_never_recompile():
     assert dict(counters["stats"]) == compiled
 
 
+def test_while_running_is_called_after_the_launch_and_before_the_last_step_is_read():
+    decoder = make_decoder(max_batch=2)
+    engine = SpecEngine(decoder)
+    calls = []
+    launch, collect = engine._launch, engine._collect
+    engine._launch = lambda: calls.append("launch") or launch()
+    engine._collect = lambda *a: calls.append("read") or collect(*a)
+    engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=6))
+    steps, tokens = 0, []
+    while engine.has_work():
+        events = engine.step(while_running=lambda: calls.append("caller"))
+        tokens += [t for e in events.values() for t in e.tokens]
+        steps += 1
+    assert tokens == dcp.generate_all(decoder, [PROMPTS[0]], 6)[0].tokens
+    # Once per step; after the step's launch and before the last one's tokens are read.
+    assert calls.count("caller") == steps
+    assert "launch, caller, read" in ", ".join(calls)
+    for i, call in enumerate(calls):
+        if call == "read":
+            assert calls[i - 1] == "caller"
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_leader_mode_ranks_agree_and_match_the_static_batch(size):
     arrivals = [0, 0, 1, 3, 5]
