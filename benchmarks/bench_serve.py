@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_test  # noqa: E402
 
 
-DEVICE_KEYS = ("device_step_seconds", "device_wait_seconds", "device_waits")
+DEVICE_KEYS = ("device_step_seconds", "device_wait_seconds", "device_waits", "device_long_waits",
+               "device_long_wait_seconds")
 
 
 def offline(args, requests) -> dict:
@@ -88,7 +89,7 @@ def offline(args, requests) -> dict:
     last = device_times[-1]
     result = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, load_s=load_s, accept_len=accept[-1],
                   first_pass_s=compile_s, all_tokens_per_s=[tok / t for t, tok in times],
-                  device_idle=idle_share(last["device_step_seconds"], last["device_wait_seconds"]))
+                  device_idle=idle_share(*(last[key] for key in DEVICE_KEYS)))
     del decoder, target, draft
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -118,17 +119,20 @@ def server(args, requests) -> dict:
     best["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     pick = lambda text, name: next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))  # noqa: E731
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}
-    spent = {name: float(pick(after, name)) - float(pick(before, name))
-             for name in ("dcp_device_step_seconds_total", "dcp_device_wait_seconds_total")}
-    idle = idle_share(spent["dcp_device_step_seconds_total"], spent["dcp_device_wait_seconds_total"])
+    spent = [float(pick(after, f"dcp_{key}_total")) - float(pick(before, f"dcp_{key}_total")) for key in DEVICE_KEYS]
+    idle = idle_share(*spent)
     return dict(best, runs=runs, steady_state=steady, device_idle=idle)
 
 
-def idle_share(step_seconds: float, wait_seconds: float) -> dict:
+def idle_share(step_seconds: float, wait_seconds: float, waits: float, long_waits: float,
+               long_wait_seconds: float) -> dict:
     """The device's idle time between steps launched back to back, as a share of the time
-    those steps spanned: what the host adds to the step's critical path."""
+    those steps spanned: what the host adds to the step's critical path; and the part of it
+    in pauses over 100 us (``SpecEngine.stats``)."""
     span = step_seconds + wait_seconds
-    return dict(device_step_s=step_seconds, device_wait_s=wait_seconds, wait_share=wait_seconds / span if span else None)
+    return dict(device_step_s=step_seconds, device_wait_s=wait_seconds, wait_share=wait_seconds / span if span else None,
+                waits=int(waits), long_waits=int(long_waits), long_wait_s=long_wait_seconds,
+                long_wait_share=long_wait_seconds / span if span else None)
 
 
 def hf_generate(args, requests) -> dict:

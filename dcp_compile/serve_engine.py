@@ -230,6 +230,9 @@ class EngineLoop:
             # back: the host's share of the critical path (SpecEngine.stats).
             "dcp_device_step_seconds_total": round(stats.get("device_step_seconds", 0.0), 6),
             "dcp_device_wait_seconds_total": round(stats.get("device_wait_seconds", 0.0), 6),
+            "dcp_device_waits_total": stats.get("device_waits", 0),
+            "dcp_device_long_waits_total": stats.get("device_long_waits", 0),
+            "dcp_device_long_wait_seconds_total": round(stats.get("device_long_wait_seconds", 0.0), 6),
             # Steady state: arrivals and departures must leave these two unchanged.
             "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
             "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),

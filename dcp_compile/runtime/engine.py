@@ -63,6 +63,8 @@ class _Plan:
     """Requests admitted, each with its ``row`` set."""
 
 
+LONG_WAIT_SECONDS = 100e-6
+"""A gap between two steps queued back to back past which the stats count it as a pause."""
 _FIELDS = 9  # per row: admit, id, prompt length, max_new_tokens, temperature bits, has seed, seed, eos, abort
 
 
@@ -129,11 +131,14 @@ class SpecEngine:
         trip) before the step fails; ``None``: the process group's timeout.  A server sets
         it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
-                          step_seconds=0.0, device_step_seconds=0.0, device_wait_seconds=0.0, device_waits=0)
+                          step_seconds=0.0, device_step_seconds=0.0, device_wait_seconds=0.0, device_waits=0,
+                          device_long_waits=0, device_long_wait_seconds=0.0)
         """``step_seconds``: host time in ``step``.  On a GPU, ``device_step_seconds``: the
         steps' time on the device; ``device_wait_seconds``: time the device sat idle between
         two steps queued back to back (``device_waits`` such gaps), waiting for the host to
-        launch the next: the host's share of the critical path.  Gaps around a prefill,
+        launch the next: the host's share of the critical path; ``device_long_waits`` and
+        ``device_long_wait_seconds``: those over ``LONG_WAIT_SECONDS`` (a pause: a garbage
+        collection, an arrival's bookkeeping), apart from the host's steady cost.  Gaps around a prefill,
         an admission or an abort are not counted.  A step's time starts when the host
         begins launching it, so when the device was idle by then, the launch counts as
         step time: the wait is a lower bound."""
@@ -404,8 +409,12 @@ class SpecEngine:
             flight.ready.synchronize()
             self.stats["device_step_seconds"] += flight.began.elapsed_time(flight.ready) / 1e3
             if flight.follows is not None:
-                self.stats["device_wait_seconds"] += flight.follows.elapsed_time(flight.began) / 1e3
+                wait = flight.follows.elapsed_time(flight.began) / 1e3
+                self.stats["device_wait_seconds"] += wait
                 self.stats["device_waits"] += 1
+                if wait > LONG_WAIT_SECONDS:
+                    self.stats["device_long_waits"] += 1
+                    self.stats["device_long_wait_seconds"] += wait
         host, width = flight.packed.tolist(), flight.packed.shape[1] - 2
         for row, request in flight.rows:
             if self.rows[row] is not request:

@@ -72,3 +72,7 @@ def test_the_engine_sees_the_device_wait_for_a_slow_host():
     assert 0.045 < slow["device_wait_seconds"] / slow["device_waits"] < 0.2
     assert fast["device_wait_seconds"] / fast["device_waits"] < 0.01
     assert 0 < slow["device_step_seconds"] < slow["device_wait_seconds"]
+    # every 50 ms gap is a pause past LONG_WAIT_SECONDS
+    assert slow["device_long_waits"] == slow["device_waits"]
+    assert slow["device_long_wait_seconds"] == slow["device_wait_seconds"]
+    assert fast["device_long_wait_seconds"] <= fast["device_wait_seconds"]
