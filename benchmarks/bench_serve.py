@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_test  # noqa: E402
 
 
+LOOP_KEYS = ("while_running_seconds", "while_running_slow", "between_steps_seconds", "between_steps_slow")
+"""The server's engine loop's own host time (``serve_engine.EngineLoop.timings``)."""
 DEVICE_KEYS = ("device_step_seconds", "device_wait_seconds", "device_waits", "device_long_waits",
                "device_long_wait_seconds")
 
@@ -121,7 +123,9 @@ def server(args, requests) -> dict:
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}
     spent = [float(pick(after, f"dcp_{key}_total")) - float(pick(before, f"dcp_{key}_total")) for key in DEVICE_KEYS]
     idle = idle_share(*spent)
-    return dict(best, runs=runs, steady_state=steady, device_idle=idle)
+    loop = {name: float(pick(after, f"dcp_loop_{name}_total")) - float(pick(before, f"dcp_loop_{name}_total"))
+            for name in LOOP_KEYS if f"dcp_loop_{name}_total" in after}
+    return dict(best, runs=runs, steady_state=steady, device_idle=idle, engine_loop=loop)
 
 
 def idle_share(step_seconds: float, wait_seconds: float, waits: float, long_waits: float,

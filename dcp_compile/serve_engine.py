@@ -28,6 +28,9 @@ from collections import deque
 from dcp_compile.runtime.engine import SpecEngine
 from dcp_compile.serve_frontend import Frontend
 
+SLOW_SECONDS = 100e-6
+"""A call of the loop's own past which ``/metrics`` counts it as slow (as the engine counts
+the device's long waits)."""
 HEARTBEAT_SECONDS = 0.5
 """An idle leader still steps (one small broadcast) this often, so the followers' waits
 stay far inside the collective timeout."""
@@ -52,6 +55,10 @@ class EngineLoop:
         self.inbox: deque[tuple] = deque()
         """Messages read during a step, acted on before the next."""
         self.unsent: dict = {}
+        self.timings = dict(while_running_seconds=0.0, while_running_slow=0, between_steps_seconds=0.0,
+                            between_steps_slow=0)
+        """The loop's own host time: inside steps (``_while_running``) and between two steps
+        of a running engine, with the calls past ``SLOW_SECONDS`` counted."""
         """The last step's events, posted once the next step is launched."""
         self.drain_deadline: float | None = None
         self.front_gone = False
@@ -71,7 +78,11 @@ class EngineLoop:
         threading.Thread(target=self._watchdog, name="dcp-step-watchdog", daemon=True).start()
         try:
             while True:
-                self._take(block=not self.engine.has_work())
+                started = time.perf_counter()
+                busy = self.engine.has_work()
+                self._take(block=not busy)
+                if busy:
+                    self._count("between_steps", time.perf_counter() - started)
                 deadline = self.drain_deadline
                 if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline):
                     self._end_all()
@@ -190,9 +201,16 @@ class EngineLoop:
         """The loop's own work, done while the device runs the step just launched (the host
         would wait for the one before it anyway): send the last step's tokens, read the
         pipe.  Nothing here calls the engine."""
+        started = time.perf_counter()
         self._post()
         self._flush()
         self._receive()
+        self._count("while_running", time.perf_counter() - started)
+
+    def _count(self, name: str, seconds: float) -> None:
+        self.timings[name + "_seconds"] += seconds
+        if seconds > SLOW_SECONDS:
+            self.timings[name + "_slow"] += 1
 
     def _post(self) -> None:
         """Queue the last step's tokens for the HTTP process."""
@@ -233,6 +251,8 @@ class EngineLoop:
             "dcp_device_waits_total": stats.get("device_waits", 0),
             "dcp_device_long_waits_total": stats.get("device_long_waits", 0),
             "dcp_device_long_wait_seconds_total": round(stats.get("device_long_wait_seconds", 0.0), 6),
+            **{f"dcp_loop_{name}_total": round(v, 6) if isinstance(v, float) else v
+               for name, v in self.timings.items()},
             # Steady state: arrivals and departures must leave these two unchanged.
             "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
             "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),
