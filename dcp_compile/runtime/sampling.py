@@ -57,12 +57,17 @@ class Noise:
         if not 0 <= row < len(self.row_generators):
             raise ValueError(f"Noise: row {row} is outside the {len(self.row_generators)} rows it was made for "
                              f"(Noise(device, seed, rows=max_batch))")
+        was_seeded = row in self.rows
         if seed is None:
             self.rows.discard(row)
         else:
             self.row_generators[row].manual_seed(seed)
             self.rows.add(row)
-        self.seeded[row] = seed is not None
+        if was_seeded != (seed is not None):
+            # fill_ passes the value in the kernel's arguments; an assignment from a
+            # Python bool copies it from pageable host memory, which waits for every step
+            # queued on the device (each finished row would stall the loop a step).
+            self.seeded[row].fill_(seed is not None)
 
     def _per_row(self, shared: torch.Tensor, draw) -> torch.Tensor:
         """``shared [B, ...]`` with each seeded row's draws from its own generator

@@ -94,10 +94,33 @@ def test_a_seeded_row_draws_from_its_own_generator_alone():
     alone = torch.empty(5).exponential_(1.0, generator=torch.Generator().manual_seed(42))
     assert torch.equal(first[1], alone) and torch.equal(second[1], alone)
     assert not torch.equal(first[0], second[0])  # unseeded rows follow the shared stream
+    noise.seed_row(1, 7)  # a row seeded again keeps its mask and takes the new seed
+    assert noise.seeded.tolist() == [False, True, False]
+    reseeded = noise.exponential(like)[1]
+    assert torch.equal(reseeded, torch.empty(5).exponential_(1.0, generator=torch.Generator().manual_seed(7)))
     noise.seed_row(1, None)
+    noise.seed_row(0, None)  # a row that was never seeded
     assert noise.rows == set() and not noise.seeded.any()
     with pytest.raises(ValueError, match="row 3 is outside the 3 rows"):
         noise.seed_row(3, 1)
+
+
+@pytest.mark.gpu
+def test_seeding_and_freeing_rows_never_waits_for_the_device():
+    """The engine seeds a row at each admission and frees it at each finish, while steps
+    run: neither may synchronize (a finish used to stall the loop for a step)."""
+    noise = Noise("cuda", seed=1, rows=4)
+    torch.cuda._sleep(10_000_000)  # a busy stream, as under a running step
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        noise.seed_row(2, 7)
+        noise.seed_row(2, 8)
+        noise.seed_row(3, 1)
+        noise.seed_row(2, None)
+        noise.seed_row(0, None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert noise.seeded.tolist() == [False, False, False, True] and noise.rows == {3}
 
 
 def test_the_step_graph_and_the_rank_check_are_refused_together():
