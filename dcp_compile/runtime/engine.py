@@ -76,6 +76,17 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
+def _check_options(decoder: SpecDecoder, prefill_chunks_per_step: int | None, stop_ids) -> None:
+    if prefill_chunks_per_step is not None and (not isinstance(prefill_chunks_per_step, int)
+                                                or prefill_chunks_per_step < 1):
+        raise ValueError(f"prefill_chunks_per_step must be an int >= 1 or None, got {prefill_chunks_per_step!r}")
+    bad = [t for t in stop_ids if isinstance(t, bool) or not isinstance(t, int)
+           or not 0 <= t < decoder.target.vocab_size]
+    if bad:
+        raise ValueError(f"stop_ids must be token ids in [0, {decoder.target.vocab_size}), got "
+                         f"{sorted(bad, key=repr)[:5]!r}")
+
+
 class SpecEngine:
     """A step-level speculative decoding engine over ``decoder``'s rows.
 
@@ -86,14 +97,7 @@ class SpecEngine:
 
     def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1,
                  stop_ids: frozenset[int] = frozenset()):
-        if prefill_chunks_per_step is not None and (not isinstance(prefill_chunks_per_step, int)
-                                                    or prefill_chunks_per_step < 1):
-            raise ValueError(f"prefill_chunks_per_step must be an int >= 1 or None, got {prefill_chunks_per_step!r}")
-        bad = [t for t in stop_ids if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < decoder.target.vocab_size]
-        if bad:
-            raise ValueError(f"stop_ids must be token ids in [0, {decoder.target.vocab_size}), got "
-                             f"{sorted(bad, key=repr)[:5]!r}")
+        _check_options(decoder, prefill_chunks_per_step, stop_ids)
         self.stop_ids = frozenset(stop_ids)
         """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
         model's EOS ids.  Every rank builds its engine with the same set, so they are
@@ -109,10 +113,9 @@ class SpecEngine:
         self.device_step.verify_steps = 0
         self.leader = leader and self.group.size > 1
         self.is_leader = self.group.rank == 0 or not self.leader
+        # Leader mode's plans go host to host: in the device's group they would queue behind
+        # the step in flight, and every rank's host would wait for it before the next launch.
         self.control = dist.new_group(backend="gloo") if self.leader else None
-        """Leader mode: the group the plans travel in, on the host (gloo).  A broadcast in
-        the device's group would queue behind the step in flight, so every rank's host
-        would wait for its device before launching the next step."""
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
         self.vocab = decoder.target.vocab_size
         # The decoder's own: its captured steps hold these generators.
@@ -136,9 +139,8 @@ class SpecEngine:
         """``step_seconds``: host time in ``step``.  On a GPU, ``device_step_seconds``: the
         steps' time on the device; ``device_wait_seconds``: time the device sat idle between
         two steps queued back to back (``device_waits`` such gaps), waiting for the host to
-        launch the next: the host's share of the critical path; ``device_long_waits`` and
-        ``device_long_wait_seconds``: those over ``LONG_WAIT_SECONDS`` (a pause: a garbage
-        collection, an arrival's bookkeeping), apart from the host's steady cost.  Gaps around a prefill,
+        launch the next: the host's share of the critical path; ``device_long_*``: those
+        over ``LONG_WAIT_SECONDS`` (pauses), apart from the host's steady cost.  Gaps around a prefill,
         an admission or an abort are not counted.  A step's time starts when the host
         begins launching it, so when the device was idle by then, the launch counts as
         step time: the wait is a lower bound."""
