@@ -121,22 +121,25 @@ def server(args, requests) -> dict:
     best["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     pick = lambda text, name: next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))  # noqa: E731
     steady = {name: (pick(before, name), pick(after, name)) for name in ("dcp_compiles_total", "dcp_graph_captures_total")}
-    spent = [float(pick(after, f"dcp_{key}_total")) - float(pick(before, f"dcp_{key}_total")) for key in DEVICE_KEYS]
-    idle = idle_share(*spent)
-    loop = {name: float(pick(after, f"dcp_loop_{name}_total")) - float(pick(before, f"dcp_loop_{name}_total"))
-            for name in LOOP_KEYS if f"dcp_loop_{name}_total" in after}
+    # A counter the server does not report (an older version's, --server-tree) is None.
+    spent = lambda name: (float(pick(after, name)) - float(pick(before, name))  # noqa: E731
+                          if f"\n{name} " in f"\n{after}" else None)
+    idle = idle_share(*(spent(f"dcp_{key}_total") for key in DEVICE_KEYS))
+    loop = {name: spent(f"dcp_loop_{name}_total") for name in LOOP_KEYS}
     return dict(best, runs=runs, steady_state=steady, device_idle=idle, engine_loop=loop)
 
 
-def idle_share(step_seconds: float, wait_seconds: float, waits: float, long_waits: float,
-               long_wait_seconds: float) -> dict:
+def idle_share(step_seconds: float, wait_seconds: float, waits: float | None, long_waits: float | None,
+               long_wait_seconds: float | None) -> dict:
     """The device's idle time between steps launched back to back, as a share of the time
     those steps spanned: what the host adds to the step's critical path; and the part of it
-    in pauses over 100 us (``SpecEngine.stats``)."""
+    in pauses over 100 us (``SpecEngine.stats``; None where a server does not count them)."""
     span = step_seconds + wait_seconds
-    return dict(device_step_s=step_seconds, device_wait_s=wait_seconds, wait_share=wait_seconds / span if span else None,
-                waits=int(waits), long_waits=int(long_waits), long_wait_s=long_wait_seconds,
-                long_wait_share=long_wait_seconds / span if span else None)
+    share = lambda seconds: seconds / span if span and seconds is not None else None  # noqa: E731
+    count = lambda n: None if n is None else int(n)  # noqa: E731
+    return dict(device_step_s=step_seconds, device_wait_s=wait_seconds, wait_share=share(wait_seconds),
+                waits=count(waits), long_waits=count(long_waits), long_wait_s=long_wait_seconds,
+                long_wait_share=share(long_wait_seconds))
 
 
 def hf_generate(args, requests) -> dict:

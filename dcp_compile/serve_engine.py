@@ -55,11 +55,11 @@ class EngineLoop:
         self.inbox: deque[tuple] = deque()
         """Messages read during a step, acted on before the next."""
         self.unsent: dict = {}
+        """The last step's events, posted once the next step is launched."""
         self.timings = dict(while_running_seconds=0.0, while_running_slow=0, between_steps_seconds=0.0,
                             between_steps_slow=0)
         """The loop's own host time: inside steps (``_while_running``) and between two steps
         of a running engine, with the calls past ``SLOW_SECONDS`` counted."""
-        """The last step's events, posted once the next step is launched."""
         self.drain_deadline: float | None = None
         self.front_gone = False
         self.failure: str | None = None
@@ -80,7 +80,7 @@ class EngineLoop:
             while True:
                 started = time.perf_counter()
                 busy = self.engine.has_work()
-                self._take(block=not busy)
+                self._take()
                 if busy:
                     self._count("between_steps", time.perf_counter() - started)
                 deadline = self.drain_deadline
@@ -139,17 +139,16 @@ class EngineLoop:
             except (EOFError, OSError):
                 self._lose_front()
 
-    def _take(self, block: bool) -> None:
-        """Act on the messages received during the last step; an idle engine (``block``)
-        also waits on the pipe for more, and for an admission window."""
-        running = not block  # a running engine reads its pipe during each step (_while_running)
-        idle = not self.engine.has_work()
+    def _take(self) -> None:
+        """Act on the messages received during the last step; an idle engine also waits on
+        the pipe for more, and for an admission window."""
+        idle = block = not self.engine.has_work()
         gather_until = None
         while not self.front_gone:
             if self.inbox:
                 kind, *message = self.inbox.popleft()
             else:
-                if running:
+                if not idle:  # a running engine reads its pipe during each step (_while_running)
                     return
                 timeout = HEARTBEAT_SECONDS if block else 0.0
                 if gather_until is not None and self.engine.free_rows > 0:
