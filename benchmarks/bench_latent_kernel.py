@@ -80,6 +80,7 @@ def parse_args():
                         help="the seesaw kernel (Hopper, 64+ rows a sequence) at SPLIT_POINTS under these slice "
                              "counts, with its merge timed alone, not the arms")
     parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"))
+    parser.add_argument("--points", type=int, nargs="*", help="indices into POINTS (default: all)")
     parser.add_argument("--sweep-points", type=int, nargs="*", help="indices into SWEEP_POINTS (default: all)")
     parser.add_argument("--sweep-tiles", nargs="*", default=(), metavar="NAME=V,V",
                         help="replace a sweep dimension, e.g. num_warps=8,16 block_s=64,128")
@@ -202,6 +203,10 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
         if not name.startswith("copy/"):
             arm["tflops"] = flops(batch, heads, tokens, context) / ms / 1e9
         point["arms"][name] = arm
+    for name, arm in point["arms"].items():
+        if "tflops" in arm:
+            print(f"  B={batch} H={heads} T={tokens} S={context} {name}: {arm['ms']:.4f} ms, {arm['tflops']:.0f} "
+                  f"TFLOP/s ({arm['method']})", flush=True)
     copy_runs = {n: point["arms"].pop(n) for n in list(point["arms"]) if n.startswith("copy/")}
     if copy_runs:
         point["arms"]["copy"] = max(copy_runs.values(), key=lambda arm: arm["tbps"])
@@ -395,7 +400,8 @@ def main() -> int:
         Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, sweeps=sweeps), indent=1))
         return 0
     points = []
-    for batch, heads, tokens, context in SMOKE_POINTS if ARGS.smoke else POINTS:
+    chosen = SMOKE_POINTS if ARGS.smoke else [POINTS[i] for i in ARGS.points] if ARGS.points is not None else POINTS
+    for batch, heads, tokens, context in chosen:
         point = run_point(batch, heads, tokens, context, device, timer)
         points.append(point)
         summary = ", ".join(f"{n} {a['ms']:.3f} ms" if "ms" in a else f"{n} {a['error'][:60]}"

@@ -187,7 +187,9 @@ def _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, O, LSE, b, rb, split, 
     l_safe = gl.where(seen, l, 1.0)
     # Both warpgroups are past their loops and every load has landed: this value half's
     # two blocks (64 KB) stage the fp32 output, which leaves in coalesced 64-column pieces.
-    staging = kv_mine._reinterpret(gl.float32, [64, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # Swizzled: a warp's accumulator fragments cover 8 rows 1 KB apart, which unswizzled
+    # fall on the same 8 banks (an 8-way conflict: 1.4 us of the 8K, 128-head call).
+    staging = kv_mine._reinterpret(gl.float32, [64, 256], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     staging.store(acc / gl.convert_layout(l_safe, gl.SliceLayout(1, _O_LAYOUT))[:, None])
     gl.thread_barrier()
     out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -204,7 +206,16 @@ def _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, O, LSE, b, rb, split, 
 
 
 @gluon.jit
-def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, W: gl.constexpr):
+def _stamp(TIMES, slot: gl.constexpr):
+    """Experiments only: the global timer (ns) into ``TIMES[program, slot]``."""
+    if TIMES is not None:
+        pid = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(TIMES + pid * 4 + slot, now)
+
+
+@gluon.jit
+def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, TIMES, W: gl.constexpr):
     """Warpgroup ``W``'s whole part: its output half over the program's slice."""
     kv_p, p_bufs, stats, bars = shared
     O, LSE, qk_scale, b, rb, split, lo, hi, n_pairs, HT, num_splits, kv_row0 = scalars
@@ -218,17 +229,24 @@ def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, W: gl.const
     l = gl.zeros([64], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
     acc = gl.zeros([64, 256], gl.float32, _O_LAYOUT)
     mbarrier.wait(bars.index(_Q), 0)
+    if W == 0:
+        _stamp(TIMES, 1)
     q_pe = p_bufs.index(W).load(gl.DotOperandLayout(operand_index=0, parent=_S_LAYOUT, k_width=2))
     for i in range(n_pairs):
         s = _block_scores(q_mine, q_theirs, q_pe, kv_mine, kv_theirs, kv_p, bars, i, lo, hi, qk_scale, W)
         p16, alpha, m, l = _pair_softmax(s, m, l, stats, bars, i, W)
         next_row = kv_row0 + lo + (2 * i + 2) * 64
         acc = _pair_values(acc, p16, alpha, descs, kv_l, kv_r, kv_p, p_bufs, bars, i, n_pairs, next_row, W)
+    if W == 0:
+        _stamp(TIMES, 2)
     _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, O, LSE, b, rb, split, HT, num_splits, W)
+    if W == 0:
+        _stamp(TIMES, 3)
 
 
 @gluon.jit
-def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, qk_scale, S, HT):
+def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, qk_scale, S, HT, TIMES):
+    _stamp(TIMES, 0)
     rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
@@ -267,8 +285,8 @@ def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, q
     shared = (kv_p, p_bufs, stats, bars)
     scalars = (O, LSE, qk_scale, b, rb, split, lo, hi, n_pairs, HT, gl.num_programs(1), b * S)
     gl.warp_specialize([
-        (_warpgroup, ((lat_desc, pe_desc), q_l, q_r, kv_l, kv_r, shared, scalars, 0)),
-        (_warpgroup, ((lat_desc, pe_desc), q_r, q_l, kv_l, kv_r, shared, scalars, 1)),
+        (_warpgroup, ((lat_desc, pe_desc), q_l, q_r, kv_l, kv_r, shared, scalars, TIMES, 0)),
+        (_warpgroup, ((lat_desc, pe_desc), q_r, q_l, kv_l, kv_r, shared, scalars, TIMES, 1)),
     ], [4], [256])
 
 
@@ -317,6 +335,24 @@ def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> l
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [64, width], layout) for t, width, layout in boxes]
 
 
+def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None):
+    """The seesaw kernel and its merge: ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.
+    ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
+    its start, when q has landed, after its loop and after its stores."""
+    q = q.contiguous()
+    B, H, T, _ = (int(n) for n in q.shape)
+    S = int(latent.shape[2])
+    row_blocks = triton.cdiv(H * T, 64)
+    num_splits = seesaw_splits(B, row_blocks, S, sm_count_of(q.device), num_splits)
+    out, lse, o_part, lse_part, _, _ = _split_outputs(q, LATENT_WIDTH, num_splits)
+    _latent_seesaw_kernel[(row_blocks, num_splits, B)](
+        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, S, H * T, times,
+        num_warps=4,
+    )
+    _merge_splits(o_part, lse_part, out, lse, num_splits)
+    return out, lse
+
+
 @torch.library.custom_op("dcp::latent_prefix_attention_gluon", mutates_args=())
 def latent_prefix_attention_gluon(
     q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, kv_len: torch.Tensor, scale: float,
@@ -325,18 +361,7 @@ def latent_prefix_attention_gluon(
     """``latent_prefix_attention`` by the seesaw kernel (inputs as ``gluon_latent_fits``
     takes them); ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.  An opaque op, so that
     ``torch.compile`` keeps the Gluon launch out of its tracing."""
-    q = q.contiguous()
-    B, H, T, _ = (int(n) for n in q.shape)
-    S = int(latent.shape[2])
-    row_blocks = triton.cdiv(H * T, 64)
-    num_splits = seesaw_splits(B, row_blocks, S, sm_count_of(q.device), num_splits)
-    out, lse, o_part, lse_part, _, _ = _split_outputs(q, LATENT_WIDTH, num_splits)
-    _latent_seesaw_kernel[(row_blocks, num_splits, B)](
-        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, S, H * T,
-        num_warps=4,
-    )
-    _merge_splits(o_part, lse_part, out, lse, num_splits)
-    return out, lse
+    return seesaw_attention(q, latent, rope, kv_len, scale, num_splits)
 
 
 @latent_prefix_attention_gluon.register_fake

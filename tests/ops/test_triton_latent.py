@@ -214,6 +214,45 @@ def test_the_switch_between_the_latent_kernels_at_64_rows_on_gpu(t, kernel):
     assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
 
 
+@pytest.mark.gpu
+def test_the_seesaw_op_replays_in_a_cuda_graph_with_new_lengths_on_gpu():
+    """The op captured once (eight slices of 900 slots, 64 programs), replayed with shorter
+    lengths written into its ``kv_len``: float64's answer every time."""
+    hopper_with_gluon()
+    args, (latent, rope) = make_case(50, t=1, h=128, c=512, r=64, s=900, kv_len=(900, 300, 0, 511),
+                                     dtype=torch.bfloat16)
+    cuda = {k: v.cuda() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    op = torch.ops.dcp.latent_prefix_attention_gluon
+    op(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = op(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE)
+    for lengths in ((900, 300, 0, 511), (17, 1, 0, 500), (64, 299, 0, 128), (900, 300, 0, 511)):
+        cuda["kv_len"].copy_(torch.tensor(lengths))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, torch.tensor(lengths),
+                               SCALE)
+
+
+@pytest.mark.gpu
+def test_the_seesaw_kernels_phase_stamps_are_in_order_on_gpu():
+    """The experiments' timer hook: every program stamps its start, q's arrival, its loop's
+    end and its stores' end, in that order, within one launch."""
+    from dcp_compile.ops import gluon_latent
+
+    hopper_with_gluon()
+    args, _ = SEESAW_CASES["h128-t1"]  # 4 sequences, 2 row blocks, 6 slices: 48 programs
+    cuda = {k: v.cuda() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    times = torch.zeros(48, 4, dtype=torch.int64, device="cuda")
+    gluon_latent.seesaw_attention(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE, times=times)
+    stamps = times.cpu()
+    assert (stamps > 0).all(), "a program did not stamp every phase"
+    assert (stamps.diff(dim=1) >= 0).all()
+    assert stamps[:, 3].max() - stamps[:, 0].min() < 10**9, "one launch, well under a second"
+
+
 def make_window_case(seed, *, t=4, h=4, c=32, r=16, positions=None, dtype=torch.float32, **tiles):
     """The latent window: the new tokens' latent and rope key, causal by global position."""
     gen = torch.Generator().manual_seed(seed)
