@@ -290,15 +290,15 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
 def splits_point(batch, heads, tokens, context, device, timer) -> dict:
     """The seesaw op under each of ``--splits`` slice counts (and its default), and the
     merge of its per-slice partials alone: how much of the op the merge is."""
-    from dcp_compile.ops.gluon_latent import seesaw_splits
-    from dcp_compile.ops.triton_prefix import _merge_splits, _split_outputs, sm_count_of
+    from dcp_compile.ops.gluon_latent import seesaw_grid
+    from dcp_compile.ops.triton_prefix import _merge_splits, _split_outputs
 
     cache_bytes = batch * context * (C + R) * 2
     gen = torch.Generator(device=device).manual_seed(context + heads)
     copies = max(1, math.ceil(COLD_BYTES / cache_bytes))
     q, caches = make_inputs(batch, heads, tokens, context, device, copies, gen)
     kv_len = torch.full((batch,), context, device=device, dtype=torch.int64)
-    default = seesaw_splits(batch, triton.cdiv(heads * tokens, 64), context, sm_count_of(device), None)
+    default = seesaw_grid(q, caches[0][0])[1]
     op = torch.ops.dcp.latent_prefix_attention_gluon
     results = []
     for n in sorted({default, *ARGS.splits}):

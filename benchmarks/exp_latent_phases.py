@@ -61,11 +61,9 @@ def kernel_times(graph) -> dict:
 
 def point(batch, heads, tokens, context, replays) -> dict:
     import torch
-    import triton
 
     from dcp_compile.ops import gluon_latent
     from dcp_compile.ops.attention import latent_prefix_attention_reference
-    from dcp_compile.ops.triton_prefix import sm_count_of
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, heads, tokens, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -77,8 +75,7 @@ def point(batch, heads, tokens, context, replays) -> dict:
                                                          kv_len, 0.07)
     out, lse = gluon_latent.seesaw_attention(q, *caches[0], kv_len, 0.07)
     error = dict(out=(out - ref_out).abs().max().item(), lse=(lse - ref_lse).abs().max().item())
-    row_blocks = triton.cdiv(heads * tokens, 64)
-    splits = gluon_latent.seesaw_splits(batch, row_blocks, context, sm_count_of(q.device), None)
+    row_blocks, splits, _ = gluon_latent.seesaw_grid(q, caches[0][0])
     times = torch.zeros(batch * row_blocks * splits, 4, dtype=torch.int64, device="cuda")
     for latent, rope in caches:
         gluon_latent.seesaw_attention(q, latent, rope, kv_len, 0.07, times=times)

@@ -320,6 +320,14 @@ def seesaw_splits(batch: int, row_blocks: int, capacity: int, sm_count: int, num
     return num_splits
 
 
+def seesaw_grid(q: torch.Tensor, latent: torch.Tensor, num_splits: int | None = None) -> tuple[int, int, int]:
+    """The kernel's grid ``(row blocks, slices, sequences)``: 64 query rows a program,
+    ``seesaw_splits``'s slices of each sequence's slots."""
+    B, H, T = (int(n) for n in q.shape[:3])
+    row_blocks = triton.cdiv(H * T, MIN_ROWS)
+    return row_blocks, seesaw_splits(B, row_blocks, int(latent.shape[2]), sm_count_of(q.device), num_splits), B
+
+
 def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> list:
     """TMA descriptors: q ``[B*H*T, 576]`` as 256-wide and 64-wide boxes of 64 rows, the
     latent ``[B*S, 512]`` in 256-wide boxes, the rope ``[B*S, 64]``."""
@@ -340,14 +348,18 @@ def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None
     ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
     its start, when q has landed, after its loop and after its stores."""
     q = q.contiguous()
-    B, H, T, _ = (int(n) for n in q.shape)
-    S = int(latent.shape[2])
-    row_blocks = triton.cdiv(H * T, 64)
-    num_splits = seesaw_splits(B, row_blocks, S, sm_count_of(q.device), num_splits)
+    _, H, T, _ = q.shape
+    grid = seesaw_grid(q, latent, num_splits)
+    num_splits = grid[1]
+    programs = grid[0] * grid[1] * grid[2]
+    if times is not None and (times.dtype != torch.int64 or times.numel() != 4 * programs or times.device != q.device):
+        raise ValueError(f"times takes 4 int64 stamps for each of the launch's {programs} programs on {q.device}; got "
+                         f"a {times.dtype} tensor of {times.numel()} on {times.device}: size it [programs, 4] from "
+                         f"seesaw_grid")
     out, lse, o_part, lse_part, _, _ = _split_outputs(q, LATENT_WIDTH, num_splits)
-    _latent_seesaw_kernel[(row_blocks, num_splits, B)](
-        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, S, H * T, times,
-        num_warps=4,
+    _latent_seesaw_kernel[grid](
+        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, int(latent.shape[2]),
+        H * T, times, num_warps=4,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     return out, lse

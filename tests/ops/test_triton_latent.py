@@ -171,6 +171,16 @@ def test_the_seesaw_kernel_takes_64_rows_or_more_of_deepseek_slots_in_bf16():
     assert not fits(c=256, r=64) and not fits(c=512, r=32)
 
 
+def test_the_seesaw_grid_is_64_rows_a_program_and_one_program_an_sm():
+    gluon_latent = pytest.importorskip("dcp_compile.ops.gluon_latent")
+
+    args, _ = SEESAW_CASES["h128-t1"]  # CPU tensors: the default SM count (132)
+    assert gluon_latent.seesaw_grid(args["q"], args["latent"]) == (2, 6, 4), "700 slots: 6 pairs' worth of slices"
+    q, latent = torch.empty(8, 16, 4, 576, device="meta"), torch.empty(8, 1, 32768, 512, device="meta")
+    assert gluon_latent.seesaw_grid(q, latent) == (1, 16, 8), "B=8, H=16, T=4: 8 x 16 programs"
+    assert gluon_latent.seesaw_grid(args["q"], args["latent"], num_splits=3) == (2, 3, 4)
+
+
 def test_tile_overrides_and_cpu_tensors_take_the_split_kernel():
     from dcp_compile.ops.triton_latent import latent_prefix_kernel
 
@@ -245,6 +255,10 @@ def test_the_seesaw_kernels_phase_stamps_are_in_order_on_gpu():
     hopper_with_gluon()
     args, _ = SEESAW_CASES["h128-t1"]  # 4 sequences, 2 row blocks, 6 slices: 48 programs
     cuda = {k: v.cuda() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    assert gluon_latent.seesaw_grid(cuda["q"], cuda["latent"]) == (2, 6, 4)
+    with pytest.raises(ValueError, match="48 programs"):
+        gluon_latent.seesaw_attention(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE,
+                                      times=torch.zeros(47, 4, dtype=torch.int64, device="cuda"))
     times = torch.zeros(48, 4, dtype=torch.int64, device="cuda")
     gluon_latent.seesaw_attention(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE, times=times)
     stamps = times.cpu()
