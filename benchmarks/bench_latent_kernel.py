@@ -290,8 +290,7 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
 def splits_point(batch, heads, tokens, context, device, timer) -> dict:
     """The seesaw op under each of ``--splits`` slice counts (and its default), and the
     merge of its per-slice partials alone: how much of the op the merge is."""
-    from dcp_compile.ops.gluon_latent import seesaw_grid
-    from dcp_compile.ops.triton_prefix import _merge_splits, _split_outputs
+    from dcp_compile.ops.gluon_latent import _seesaw_outputs, merge_slices, seesaw_grid
 
     cache_bytes = batch * context * (C + R) * 2
     gen = torch.Generator(device=device).manual_seed(context + heads)
@@ -305,8 +304,8 @@ def splits_point(batch, heads, tokens, context, device, timer) -> dict:
         calls = [lambda lat=lat, pe=pe, n=n: op(q, lat, pe, kv_len, 0.07, n) for lat, pe in caches]
         run, _ = timer.prepare(calls)
         ms = timer.measure(run, len(calls)) * 1e3
-        out, lse, o_part, lse_part, _, _ = _split_outputs(q, C, n)
-        merge = [lambda: _merge_splits(o_part, lse_part, out, lse, n)]
+        partials = _seesaw_outputs(q, n, "fp16")
+        merge = [lambda: merge_slices(*partials)]
         run, _ = timer.prepare(merge)
         merge_ms = timer.measure(run, 1) * 1e3 if n > 1 else 0.0
         results.append(dict(splits=n, default=n == default, ms=ms, merge_ms=merge_ms,

@@ -6,7 +6,8 @@ For each point: every program's global-timer stamps (``seesaw_attention(times=..
 start, q landed, loop done, partials stored), as medians over the programs of the last of
 several back-to-back calls, with the spread of their ends; the kernel and the merge timed
 apart by ``torch.profiler`` over CUDA-graph replays; and the op's time a call from a graph
-of many calls.  The stamps found the epilogue's bank conflicts (BENCHMARKS.md, 2026-12-04).
+of many calls; each form of the slices' partials (``--partials``) at every point.  The
+stamps found the epilogue's bank conflicts (BENCHMARKS.md, 2026-12-04).
 The global timer ticks in steps of about 0.26 us on the H200.
 """
 
@@ -29,6 +30,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="write the JSON results here")
     parser.add_argument("--replays", type=int, default=20, help="graph replays timed, 5 rounds of the caches each")
+    parser.add_argument("--partials", nargs="+", default=["fp16", "fp32"],
+                        help="forms of the slices' partials, each timed at every point, one after the other")
     return parser.parse_args()
 
 
@@ -59,7 +62,7 @@ def kernel_times(graph) -> dict:
     return {name: round(statistics.median(v), 2) for name, v in spans.items()}
 
 
-def point(batch, heads, tokens, context, replays) -> dict:
+def point(batch, heads, tokens, context, replays, partials) -> dict:
     import torch
 
     from dcp_compile.ops import gluon_latent
@@ -73,17 +76,17 @@ def point(batch, heads, tokens, context, replays) -> dict:
     kv_len = torch.full((batch,), context, device="cuda")
     ref_out, ref_lse = latent_prefix_attention_reference(q.float(), caches[0][0].float(), caches[0][1].float(),
                                                          kv_len, 0.07)
-    out, lse = gluon_latent.seesaw_attention(q, *caches[0], kv_len, 0.07)
+    out, lse = gluon_latent.seesaw_attention(q, *caches[0], kv_len, 0.07, partials=partials)
     error = dict(out=(out - ref_out).abs().max().item(), lse=(lse - ref_lse).abs().max().item())
     row_blocks, splits, _ = gluon_latent.seesaw_grid(q, caches[0][0])
     times = torch.zeros(batch * row_blocks * splits, 4, dtype=torch.int64, device="cuda")
     for latent, rope in caches:
-        gluon_latent.seesaw_attention(q, latent, rope, kv_len, 0.07, times=times)
+        gluon_latent.seesaw_attention(q, latent, rope, kv_len, 0.07, times=times, partials=partials)
     torch.cuda.synchronize()
 
     def calls():
         for latent, rope in caches:
-            gluon_latent.seesaw_attention(q, latent, rope, kv_len, 0.07)
+            gluon_latent.seesaw_attention(q, latent, rope, kv_len, 0.07, partials=partials)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -100,10 +103,10 @@ def point(batch, heads, tokens, context, replays) -> dict:
     torch.cuda.synchronize()
     per_call = start.elapsed_time(end) * 1e3 / (replays * 5 * CACHES)
     flop = batch * heads * tokens * context * 2.0 * (2 * 512 + 64)
-    result = dict(batch=batch, heads=heads, t=tokens, context=context, splits=splits, max_error=error,
-                  stamps_us=stamps_of(times), kernels_us=kernels, per_call_us=per_call,
+    result = dict(batch=batch, heads=heads, t=tokens, context=context, splits=splits, partials=partials,
+                  max_error=error, stamps_us=stamps_of(times), kernels_us=kernels, per_call_us=per_call,
                   tflops=flop / per_call / 1e6)
-    print(f"B={batch} H={heads} T={tokens} S={context} ({splits} slices): "
+    print(f"B={batch} H={heads} T={tokens} S={context} ({splits} slices, {partials} partials): "
           f"{ {k: round(v, 2) for k, v in result['stamps_us'].items()} }; kernels {kernels}; "
           f"{per_call:.2f} us a call ({result['tflops']:.0f} TFLOP/s); max error {error}", flush=True)
     return result
@@ -116,7 +119,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("the seesaw kernel runs on Hopper (compute capability 9.0)", file=sys.stderr)
         return 2
-    results = [point(*p, args.replays) for p in POINTS]
+    results = [point(*p, args.replays, partials) for p in POINTS for partials in args.partials]
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                               command="python3 " + " ".join(sys.argv), points=results), indent=1))
     return 0

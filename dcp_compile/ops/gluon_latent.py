@@ -34,8 +34,11 @@ at B=32, 391 at 8K, 400 at H=16, T=4 and 574 at H=16, T=16.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dcp_compile.ops.triton_prefix import MAX_SPLITS, _merge_splits, _split_outputs, sm_count_of
+from dcp_compile.ops.triton_prefix import MAX_SPLITS, _merge_splits, sm_count_of
 
 LATENT_WIDTH, ROPE_WIDTH = 512, 64
 """The only slot shape the kernel takes: DeepSeek-V2/V3's and Kimi-K2's latent and rope key."""
@@ -174,35 +177,58 @@ def _pair_values(acc, p16, alpha, descs, kv_l, kv_r, kv_p, p_bufs, bars, i, n_pa
 
 
 @gluon.jit
-def _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, O, LSE, b, rb, split, HT, num_splits, W: gl.constexpr):
-    """Both row sums added, then ``acc / l`` into this warpgroup's columns of the partial
-    output ``[B, H, T, num_splits, 512]`` (contiguous: row ``r`` of sequence ``b`` is
-    ``b * HT + r``) and, from warpgroup 0, the lse (natural log)."""
+def _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, outs, b, rb, split, HT, num_splits, W: gl.constexpr):
+    """Both row sums added, then this warpgroup's columns of the slice's output into the
+    partials (``_seesaw_outputs``; row ``r`` of sequence ``b`` is ``b * HT + r``) and, from
+    warpgroup 0, the lse (natural log).  With ``SCALES`` the columns leave as fp16 over
+    their row's largest magnitude, which goes to ``SCALES`` (times ``1 / l``); else as
+    fp32 ``acc / l``."""
+    O, SCALES, LSE = outs
     row_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
+    row_o: gl.constexpr = gl.SliceLayout(1, _O_LAYOUT)
     stats.index(W).store(l)
     mbarrier.arrive(bars.index(_STAT + W), count=1)
     mbarrier.wait(bars.index(_STAT + 1 - W), n_pairs & 1)
     l = l + stats.index(1 - W).load(row_s)
     seen = l > 0.0
     l_safe = gl.where(seen, l, 1.0)
+    if SCALES is None:
+        _store_half(acc / gl.convert_layout(l_safe, row_o)[:, None], kv_mine, O, b, rb, split, HT, num_splits, W)
+    else:
+        # fp16 over the row's largest magnitude: 11 bits of it for every column, half the
+        # bytes of fp32 to write and to merge, and no overflow whatever the cache holds.
+        amax = gl.max(gl.abs(acc), axis=1)
+        o = acc * (1.0 / gl.where(amax > 0.0, amax, 1.0))[:, None]
+        _store_half(o.to(gl.float16), kv_mine, O, b, rb, split, HT, num_splits, W)
+        rows_o = rb * 64 + gl.arange(0, 64, layout=row_o)
+        gl.store(SCALES + ((b * HT + rows_o) * num_splits + split) * 2 + W, amax / gl.convert_layout(l_safe, row_o),
+                 mask=rows_o < HT)
+    if W == 0:
+        lse = gl.where(seen, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        rows_l = rb * 64 + gl.arange(0, 64, layout=row_s)
+        gl.store(LSE + (b * HT + rows_l) * num_splits + split, lse, mask=rows_l < HT)
+
+
+@gluon.jit
+def _store_half(o, kv_mine, O, b, rb, split, HT, num_splits, W: gl.constexpr):
+    """``o`` ([64, 256], fp32 or fp16) into columns ``[256 W, 256 W + 256)`` of the slice's
+    rows of ``O`` (``[B * HT, num_splits, 512]``)."""
     # Both warpgroups are past their loops and every load has landed: this value half's
-    # two blocks (64 KB) stage the fp32 output, which leaves in coalesced 64-column pieces.
-    # Swizzled: a warp's accumulator fragments cover 8 rows 1 KB apart, which unswizzled
-    # fall on the same 8 banks (an 8-way conflict: 1.4 us of the 8K, 128-head call).
-    staging = kv_mine._reinterpret(gl.float32, [64, 256], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-    staging.store(acc / gl.convert_layout(l_safe, gl.SliceLayout(1, _O_LAYOUT))[:, None])
+    # two blocks (64 KB) stage the output, which leaves in coalesced 64-column pieces.
+    # Swizzled by 16-byte vectors: a warp's accumulator fragments cover 8 rows 1 KB (fp16:
+    # 512 B) apart, which unswizzled fall on the same banks (an 8-way conflict: 1.4 us of
+    # the 8K, 128-head call in fp32).
+    vec: gl.constexpr = 128 // o.dtype.primitive_bitwidth
+    staging = kv_mine._reinterpret(o.dtype, [64, 256], gl.SwizzledSharedLayout(vec, 1, 8, [1, 0]))
+    staging.store(o)
     gl.thread_barrier()
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, vec], [vec // 2, 64 // vec], [4, 1], [1, 0])
     rows = rb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
     o_rows = ((b * HT + rows) * num_splits + split) * 512 + W * 256
     for c in gl.static_range(4):
         cols = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, out_layout))
         piece = staging.slice(c * 64, 64, dim=1).load(out_layout)
         gl.store(O + o_rows[:, None] + cols[None, :], piece, mask=(rows < HT)[:, None])
-    if W == 0:
-        lse = gl.where(seen, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        rows_l = rb * 64 + gl.arange(0, 64, layout=row_s)
-        gl.store(LSE + (b * HT + rows_l) * num_splits + split, lse, mask=rows_l < HT)
 
 
 @gluon.jit
@@ -218,7 +244,7 @@ def _stamp(TIMES, slot: gl.constexpr):
 def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, TIMES, W: gl.constexpr):
     """Warpgroup ``W``'s whole part: its output half over the program's slice."""
     kv_p, p_bufs, stats, bars = shared
-    O, LSE, qk_scale, b, rb, split, lo, hi, n_pairs, HT, num_splits, kv_row0 = scalars
+    outs, qk_scale, b, rb, split, lo, hi, n_pairs, HT, num_splits, kv_row0 = scalars
     if W == 0:
         kv_mine = kv_l
         kv_theirs = kv_r
@@ -239,13 +265,13 @@ def _warpgroup(descs, q_mine, q_theirs, kv_l, kv_r, shared, scalars, TIMES, W: g
         acc = _pair_values(acc, p16, alpha, descs, kv_l, kv_r, kv_p, p_bufs, bars, i, n_pairs, next_row, W)
     if W == 0:
         _stamp(TIMES, 2)
-    _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, O, LSE, b, rb, split, HT, num_splits, W)
+    _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, outs, b, rb, split, HT, num_splits, W)
     if W == 0:
         _stamp(TIMES, 3)
 
 
 @gluon.jit
-def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, qk_scale, S, HT, TIMES):
+def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, SCALES, LSE, qk_scale, S, HT, TIMES):
     _stamp(TIMES, 0)
     rb = gl.program_id(0)
     split = gl.program_id(1)
@@ -283,7 +309,7 @@ def _latent_seesaw_kernel(q_desc, qpe_desc, lat_desc, pe_desc, KV_LEN, O, LSE, q
             _load_part(lat_desc, pe_desc, kv_l, kv_r, kv_p, bars, b * S + lo + k * 64, k, True)
 
     shared = (kv_p, p_bufs, stats, bars)
-    scalars = (O, LSE, qk_scale, b, rb, split, lo, hi, n_pairs, HT, gl.num_programs(1), b * S)
+    scalars = ((O, SCALES, LSE), qk_scale, b, rb, split, lo, hi, n_pairs, HT, gl.num_programs(1), b * S)
     gl.warp_specialize([
         (_warpgroup, ((lat_desc, pe_desc), q_l, q_r, kv_l, kv_r, shared, scalars, TIMES, 0)),
         (_warpgroup, ((lat_desc, pe_desc), q_r, q_l, kv_l, kv_r, shared, scalars, TIMES, 1)),
@@ -343,10 +369,73 @@ def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> l
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [64, width], layout) for t, width, layout in boxes]
 
 
-def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None):
+PARTIALS = ("fp16", "fp32")
+"""How a slice's output reaches the merge: fp16 over each row's largest magnitude (the
+default: half the bytes), or fp32."""
+
+
+def _seesaw_outputs(q: torch.Tensor, num_splits: int, partials: str):
+    """What the kernel writes, ``(o_part, scale_part, lse_part)``, each ``[B * H * T,
+    num_splits, ...]``: outputs 512 wide (fp32; or fp16, over each value half's largest
+    magnitude, the ``[.., 2]`` fp32 scales) and lses.  One slice writes the answer itself:
+    fp32, no scales."""
+    if partials not in PARTIALS:
+        raise ValueError(f"partials must be one of {PARTIALS}, got {partials!r}")
+    rows = math.prod(int(n) for n in q.shape[:3])
+    lse_part = torch.empty((rows, num_splits), device=q.device, dtype=torch.float32)
+    if num_splits == 1 or partials == "fp32":
+        return torch.empty((rows, num_splits, LATENT_WIDTH), device=q.device, dtype=torch.float32), None, lse_part
+    return (torch.empty((rows, num_splits, LATENT_WIDTH), device=q.device, dtype=torch.float16),
+            torch.empty((rows, num_splits, 2), device=q.device, dtype=torch.float32), lse_part)
+
+
+@triton.jit
+def _merge_scaled_kernel(O_PART, SCALE_PART, LSE_PART, O, LSE, num_splits, SPLITS: tl.constexpr):
+    """One row's slices folded by their lses: ``sum_s w_s scale_s o_s / sum_s w_s``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.arange(0, SPLITS)
+    lse = tl.load(LSE_PART + row * num_splits + offs_n, mask=offs_n < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no slice saw a slot: every weight 0
+    total = tl.sum(tl.exp(lse - shift), 0)
+    cols = tl.arange(0, LATENT_WIDTH)
+    acc = tl.zeros([LATENT_WIDTH], tl.float32)
+    # Unrolled, so that every slice's loads are in flight at once.
+    for s in tl.static_range(SPLITS):
+        ok = s < num_splits
+        part = row * num_splits + s
+        w = tl.exp(tl.load(LSE_PART + part, mask=ok, other=float("-inf")) - shift)
+        scale = tl.load(SCALE_PART + part * 2 + cols // (LATENT_WIDTH // 2), mask=ok, other=0.0)
+        o = tl.load(O_PART + part * LATENT_WIDTH + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += (w * scale) * o
+    seen = total > 0.0
+    total_safe = tl.where(seen, total, 1.0)
+    tl.store(O + row * LATENT_WIDTH + cols, acc / total_safe)
+    tl.store(LSE + row, tl.where(seen, shift + tl.log(total_safe), float("-inf")))
+
+
+def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part: torch.Tensor):
+    """The kernel's per-slice partials (``_seesaw_outputs``) folded by their lses:
+    ``(out fp32 [rows, 512], lse fp32 [rows])``."""
+    rows, num_splits = (int(n) for n in lse_part.shape)
+    if num_splits == 1:
+        return o_part.view(rows, LATENT_WIDTH), lse_part.view(rows)
+    out = torch.empty((rows, LATENT_WIDTH), device=o_part.device, dtype=torch.float32)
+    lse = torch.empty((rows,), device=o_part.device, dtype=torch.float32)
+    if scale_part is None:
+        _merge_splits(o_part.view(rows, 1, 1, num_splits, LATENT_WIDTH), lse_part.view(rows, 1, 1, num_splits),
+                      out.view(rows, 1, 1, LATENT_WIDTH), lse.view(rows, 1, 1), num_splits)
+    else:
+        _merge_scaled_kernel[(rows,)](o_part, scale_part, lse_part, out, lse, num_splits,
+                                      SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
+    return out, lse
+
+
+def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp16"):
     """The seesaw kernel and its merge: ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.
     ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
-    its start, when q has landed, after its loop and after its stores."""
+    its start, when q has landed, after its loop and after its stores.  ``partials``: one
+    of ``PARTIALS``."""
     q = q.contiguous()
     _, H, T, _ = q.shape
     grid = seesaw_grid(q, latent, num_splits)
@@ -356,13 +445,13 @@ def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None
         raise ValueError(f"times takes 4 int64 stamps for each of the launch's {programs} programs on {q.device}; got "
                          f"a {times.dtype} tensor of {times.numel()} on {times.device}: size it [programs, 4] from "
                          f"seesaw_grid")
-    out, lse, o_part, lse_part, _, _ = _split_outputs(q, LATENT_WIDTH, num_splits)
+    o_part, scale_part, lse_part = _seesaw_outputs(q, num_splits, partials)
     _latent_seesaw_kernel[grid](
-        *_descriptors(q, latent, rope), kv_len, o_part, lse_part, scale * 1.4426950408889634, int(latent.shape[2]),
-        H * T, times, num_warps=4,
+        *_descriptors(q, latent, rope), kv_len, o_part, scale_part, lse_part, scale * 1.4426950408889634,
+        int(latent.shape[2]), H * T, times, num_warps=4,
     )
-    _merge_splits(o_part, lse_part, out, lse, num_splits)
-    return out, lse
+    out, lse = merge_slices(o_part, scale_part, lse_part)
+    return out.view(*q.shape[:3], LATENT_WIDTH), lse.view(q.shape[:3])
 
 
 @torch.library.custom_op("dcp::latent_prefix_attention_gluon", mutates_args=())

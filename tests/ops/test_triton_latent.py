@@ -189,6 +189,53 @@ def test_tile_overrides_and_cpu_tensors_take_the_split_kernel():
     assert latent_prefix_kernel(args["q"], args["latent"], args["rope"], {"num_stages": 2}) == "split"
 
 
+def slice_partials(seed, rows=6, splits=5):
+    """Slices' outputs in float64 (rows of very different magnitudes, one past fp16's
+    range), their lses (some slices saw nothing, one row nothing anywhere), and the forms
+    the seesaw kernel writes: fp16 over each value half's largest magnitude, and fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.tensor([1e-3, 1.0, 1e5, 3e6, 1.0, 1.0], dtype=torch.float64)[:rows, None, None]
+    o = torch.randn(rows, splits, 512, generator=gen, dtype=torch.float64) * magnitude
+    lse = torch.randn(rows, splits, generator=gen, dtype=torch.float64) * 4
+    lse[1, 2], lse[4, :], lse[5, 1:] = float("-inf"), float("-inf"), float("-inf")
+    o[lse == float("-inf")] = 0.0  # a slice that saw nothing writes zeros
+    halves = o.view(rows, splits, 2, 256)
+    amax = halves.abs().amax(-1)
+    o16 = (halves / amax.clamp_min(1e-300)[..., None]).view(rows, splits, 512).half()
+    forms = dict(fp16=dict(o_part=o16, scale_part=amax.float(), lse_part=lse.float()),
+                 fp32=dict(o_part=o.float(), scale_part=None, lse_part=lse.float()),
+                 one_slice=dict(o_part=o[:, :1].float().contiguous(), scale_part=None,
+                                lse_part=lse[:, :1].float().contiguous()))
+    return o, lse, forms
+
+
+def test_the_seesaw_merge_folds_fp16_and_fp32_partials_like_float64(tmp_path):
+    """The merge of the seesaw kernel's slices, under Triton's interpreter: fp16 partials
+    over their row's largest magnitude are off by at most 2^-11 of it (a row at 3e6 would
+    be inf as plain fp16), fp32 ones by float32's rounding, one slice is the answer."""
+    o, lse, forms = slice_partials(0)
+    assert torch.isinf(o.half()).any(), "the case needs a row past fp16's range"
+    torch.save(forms, tmp_path / "cases.pt")
+    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "cases.pt"), str(tmp_path / "results.pt"),
+                           "gluon_latent.merge_slices"], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
+    results = torch.load(tmp_path / "results.pt")
+    for name, (o_ref, lse_ref) in {"fp16": (o, lse), "fp32": (o, lse), "one_slice": (o[:, :1], lse[:, :1])}.items():
+        out, merged_lse = results[name]
+        top = lse_ref.amax(1)
+        w = torch.exp(lse_ref - torch.where(top.isinf(), 0.0, top)[:, None])
+        total = w.sum(1)
+        want = (w[..., None] * o_ref).sum(1) / total.clamp_min(1e-300)[:, None]
+        assert out.shape == (6, 512) and merged_lse.shape == (6,)
+        assert (out[4] == 0).all() and merged_lse[4] == float("-inf"), "a row no slice saw: 0 and -inf"
+        allowed = 2.0**-11 if name == "fp16" else 1e-6
+        row_max = o_ref.abs().amax((1, 2))
+        assert ((out.double() - want).abs() <= allowed * row_max[:, None]).all(), name
+        seen = total > 0
+        torch.testing.assert_close(merged_lse.double()[seen], (top + total.log())[seen], atol=1e-5, rtol=1e-6)
+
+
 def hopper_with_gluon():
     from dcp_compile.ops import triton_latent
 
@@ -222,6 +269,28 @@ def test_the_switch_between_the_latent_kernels_at_64_rows_on_gpu(t, kernel):
     assert latent_prefix_kernel(cuda["q"], cuda["latent"], cuda["rope"], {}) == kernel
     out, lse = torch.ops.dcp.latent_prefix_attention(cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE)
     assert_matches_float64(out, lse, args["q"], torch.cat([latent, rope], dim=-1), latent, args["kv_len"], SCALE)
+
+
+@pytest.mark.gpu
+def test_the_seesaw_kernels_partials_fp16_fp32_and_one_slice_on_gpu():
+    """Either form of the slices' partials, and one slice writing the answer itself, match
+    float64 (128 heads: two row blocks, 6 slices; NaN past each length); fp16 partials are
+    within 2^-11 of the cache's largest magnitude of fp32 ones (each off by at most 2^-12
+    of its value half's largest, and the merge averages them)."""
+    from dcp_compile.ops import gluon_latent
+
+    hopper_with_gluon()
+    args, (latent, rope) = SEESAW_CASES["h128-t1"]
+    cuda = {k: v.cuda() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    results = {}
+    for partials, num_splits in (("fp16", None), ("fp32", None), ("fp16", 1)):
+        results[partials, num_splits] = gluon_latent.seesaw_attention(
+            cuda["q"], cuda["latent"], cuda["rope"], cuda["kv_len"], SCALE, num_splits=num_splits, partials=partials)
+        assert_matches_float64(*results[partials, num_splits], args["q"], torch.cat([latent, rope], dim=-1), latent,
+                               args["kv_len"], SCALE)
+    (out16, lse16), (out32, lse32) = results["fp16", None], results["fp32", None]
+    assert (out16 - out32).abs().max().item() <= 2.0**-11 * latent.float().nan_to_num().abs().max().item()
+    torch.testing.assert_close(lse16, lse32, atol=1e-6, rtol=1e-6)  # the lses do not pass through fp16
 
 
 @pytest.mark.gpu

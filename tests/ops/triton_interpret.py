@@ -51,15 +51,19 @@ def patch_interpreter() -> None:
 
 
 def main(cases_path: str, results_path: str, op: str = "prefix_attention_triton") -> None:
-    """``op``: which of ``dcp_compile.ops``'s Triton ops the cases call."""
+    """``op``: which of ``dcp_compile.ops``'s Triton ops the cases call, or a function of
+    one of its modules (``module.function``)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 in the environment (it is read when triton is imported)")
     import torch
 
     patch_interpreter()
+    import importlib
+
     import dcp_compile.ops
 
-    kernel = getattr(dcp_compile.ops, op)
+    module, _, name = op.rpartition(".")
+    kernel = getattr(importlib.import_module(f"dcp_compile.ops.{module}") if module else dcp_compile.ops, name)
     cases = torch.load(cases_path)
     results = {name: kernel(**args) for name, args in cases.items()}
     torch.save(results, results_path)

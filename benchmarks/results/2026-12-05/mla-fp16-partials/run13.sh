@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Session run 13: the seesaw kernel's slices as fp16 partials over their row's largest magnitude, against fp32
+# (GPU tests, phases of both forms side by side, the kernel's points with the new default).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/benchmarks
+{ date -u +%Y-%m-%dT%H:%MZ; echo "code: ${CODE_REV:-unknown} (the device copy's git head is stale)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'; } > $OUT/env.txt 2>&1
+cat $OUT/env.txt
+ph() { local name=$1 s=$2; shift 2; echo "== $name $(date -u +%H:%M:%S)"; timeout -k 5 $s "$@" > $OUT/$name.log 2>&1; echo "$name exit $? $(date -u +%H:%M:%S)"; tail -n ${TAILN:-6} $OUT/$name.log; }
+TAILN=3 ph pytest_gpu 200 python3 -m pytest -q -m gpu tests/ops/test_triton_latent.py -p no:cacheprovider
+TAILN=7 ph phases 150 python3 benchmarks/exp_latent_phases.py --partials fp16 fp32 --out $OUT/phases.json
+TAILN=22 ph mla_kernel 220 python3 benchmarks/bench_latent_kernel.py --arms ours einsum copy --out $OUT/mla_kernel.json
