@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import statistics
 import sys
@@ -32,6 +33,9 @@ def parse_args():
     parser.add_argument("--replays", type=int, default=20, help="graph replays timed, 5 rounds of the caches each")
     parser.add_argument("--partials", nargs="+", default=["fp16", "fp32"],
                         help="forms of the slices' partials, each timed at every point, one after the other")
+    parser.add_argument("--beside", nargs="*", default=[], metavar="FILE",
+                        help="copies of gluon_latent.py (an earlier form of the kernel) timed at every point beside "
+                             "the library's, with fp16 partials")
     return parser.parse_args()
 
 
@@ -62,10 +66,21 @@ def kernel_times(graph) -> dict:
     return {name: round(statistics.median(v), 2) for name, v in spans.items()}
 
 
-def point(batch, heads, tokens, context, replays, partials) -> dict:
+def kernel_module(path: str | None):
+    """The library's ``gluon_latent``, or a copy of it loaded from ``path``."""
+    if path is None:
+        from dcp_compile.ops import gluon_latent
+
+        return gluon_latent
+    spec = importlib.util.spec_from_file_location(f"beside_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def point(batch, heads, tokens, context, replays, partials, source=None) -> dict:
     import torch
 
-    from dcp_compile.ops import gluon_latent
     from dcp_compile.ops.attention import latent_prefix_attention_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,6 +91,7 @@ def point(batch, heads, tokens, context, replays, partials) -> dict:
     kv_len = torch.full((batch,), context, device="cuda")
     ref_out, ref_lse = latent_prefix_attention_reference(q.float(), caches[0][0].float(), caches[0][1].float(),
                                                          kv_len, 0.07)
+    gluon_latent = kernel_module(source)
     out, lse = gluon_latent.seesaw_attention(q, *caches[0], kv_len, 0.07, partials=partials)
     error = dict(out=(out - ref_out).abs().max().item(), lse=(lse - ref_lse).abs().max().item())
     row_blocks, splits, _ = gluon_latent.seesaw_grid(q, caches[0][0])
@@ -103,10 +119,11 @@ def point(batch, heads, tokens, context, replays, partials) -> dict:
     torch.cuda.synchronize()
     per_call = start.elapsed_time(end) * 1e3 / (replays * 5 * CACHES)
     flop = batch * heads * tokens * context * 2.0 * (2 * 512 + 64)
-    result = dict(batch=batch, heads=heads, t=tokens, context=context, splits=splits, partials=partials,
+    result = dict(batch=batch, heads=heads, t=tokens, context=context, splits=splits, partials=partials, source=source,
                   max_error=error, stamps_us=stamps_of(times), kernels_us=kernels, per_call_us=per_call,
                   tflops=flop / per_call / 1e6)
-    print(f"B={batch} H={heads} T={tokens} S={context} ({splits} slices, {partials} partials): "
+    form = f"{partials} partials" + (f", {source}" if source else "")
+    print(f"B={batch} H={heads} T={tokens} S={context} ({splits} slices, {form}): "
           f"{ {k: round(v, 2) for k, v in result['stamps_us'].items()} }; kernels {kernels}; "
           f"{per_call:.2f} us a call ({result['tflops']:.0f} TFLOP/s); max error {error}", flush=True)
     return result
@@ -119,7 +136,8 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("the seesaw kernel runs on Hopper (compute capability 9.0)", file=sys.stderr)
         return 2
-    results = [point(*p, args.replays, partials) for p in POINTS for partials in args.partials]
+    forms = [(partials, None) for partials in args.partials] + [("fp16", path) for path in args.beside]
+    results = [point(*p, args.replays, *form) for p in POINTS for form in forms]
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                               command="python3 " + " ".join(sys.argv), points=results), indent=1))
     return 0

@@ -162,13 +162,14 @@ def _pair_values(acc, p16, alpha, descs, kv_l, kv_r, kv_p, p_bufs, bars, i, n_pa
 
     a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
+    # Both products queued back to back, so the tensor cores never wait on this
+    # warpgroup between them; the first's block part is reloaded once it alone is done.
     acc = warpgroup_mma(gl.convert_layout(p16, a_o), kv_mine.index(W + z), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    if i + 1 < n_pairs:  # this block's early part: its last user was this product
-        _load_part(lat_desc, pe_desc, kv_l, kv_r, kv_p, bars, next_row + W * 64, W, False)
-
     mbarrier.wait(bars.index(_P_READY + 1 - W), i & 1)
     acc = warpgroup_mma(p_bufs.index(1 - W + z), kv_mine.index(1 - W + z), acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    if i + 1 < n_pairs:  # this block's early part: its last user was the first product
+        _load_part(lat_desc, pe_desc, kv_l, kv_r, kv_p, bars, next_row + W * 64, W, False)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(bars.index(_P_FREE + 1 - W), count=1)
     if i + 1 < n_pairs:  # the other block's late part: its last user was this product

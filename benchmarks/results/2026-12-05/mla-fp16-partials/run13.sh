@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session run 13: the seesaw kernel's slices as fp16 partials over their row's largest magnitude, against fp32
-# (GPU tests, phases of both forms side by side, the kernel's points with the new default).
+# and the two value products queued back to back (chain_pv.patch; its reverse is timed beside)
+# (GPU tests, phases of every form side by side, the kernel's points with the new default).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:$PWD/benchmarks
@@ -10,5 +11,6 @@ export PYTHONPATH=$PWD:$PWD/benchmarks
 cat $OUT/env.txt
 ph() { local name=$1 s=$2; shift 2; echo "== $name $(date -u +%H:%M:%S)"; timeout -k 5 $s "$@" > $OUT/$name.log 2>&1; echo "$name exit $? $(date -u +%H:%M:%S)"; tail -n ${TAILN:-6} $OUT/$name.log; }
 TAILN=3 ph pytest_gpu 200 python3 -m pytest -q -m gpu tests/ops/test_triton_latent.py -p no:cacheprovider
-TAILN=7 ph phases 150 python3 benchmarks/exp_latent_phases.py --partials fp16 fp32 --out $OUT/phases.json
-TAILN=22 ph mla_kernel 220 python3 benchmarks/bench_latent_kernel.py --arms ours einsum copy --out $OUT/mla_kernel.json
+patch -R -o /tmp/before_chain.py dcp_compile/ops/gluon_latent.py < benchmarks/results/2026-12-05/mla-fp16-partials/chain_pv.patch
+TAILN=10 ph phases 240 python3 benchmarks/exp_latent_phases.py --partials fp16 fp32 --beside /tmp/before_chain.py --out $OUT/phases.json
+TAILN=22 ph mla_kernel 200 python3 benchmarks/bench_latent_kernel.py --arms ours einsum copy --out $OUT/mla_kernel.json
