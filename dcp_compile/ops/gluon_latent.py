@@ -26,6 +26,11 @@ sequence's (the caches are read flattened to ``[B * S, C]``; past the end TMA re
 zeros).  Their scores are set to -inf before the max, and the owner zeroes those latent
 rows in shared memory before any value product reads them (``0 * NaN`` is NaN).
 
+Slices: each program's output leaves for the merge as fp16 over its row's largest magnitude
+in its value half (the scale in fp32 beside it): 16 bits a value rather than fp32's 32, so
+half the bytes to store and to merge, every value within 2^-12 of the row's largest, and
+no overflow whatever the cache holds (``merge_slices``; ``partials="fp32"`` keeps fp32).
+
 Measured through the registered op on one H200 (CUDA-graph replays, 2026-12-03,
 ``benchmarks/exp_latent_gluon.py --graph``, log in ``benchmarks/results/2026-12-03/mla-gluon``):
 514 TFLOP/s at B=8, H=128, T=1, 32K (split-KV kernel 269, DeepSeek's einsum form 131), 547
@@ -196,7 +201,7 @@ def _store_rows(acc, l, m, kv_mine, stats, bars, n_pairs, outs, b, rb, split, HT
     if SCALES is None:
         _store_half(acc / gl.convert_layout(l_safe, row_o)[:, None], kv_mine, O, b, rb, split, HT, num_splits, W)
     else:
-        # fp16 over the row's largest magnitude: 11 bits of it for every column, half the
+        # fp16 over the row's largest magnitude: every column within 2^-12 of it, half the
         # bytes of fp32 to write and to merge, and no overflow whatever the cache holds.
         amax = gl.max(gl.abs(acc), axis=1)
         o = acc * (1.0 / gl.where(amax > 0.0, amax, 1.0))[:, None]
