@@ -79,7 +79,9 @@ def parse_args():
     parser.add_argument("--splits", type=int, nargs="*", metavar="N",
                         help="the seesaw kernel (Hopper, 64+ rows a sequence) at SPLIT_POINTS under these slice "
                              "counts, with its merge timed alone, not the arms")
-    parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"))
+    parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"),
+                        help="of ours, ours-fp16 (the seesaw kernel with fp16 partials, where it runs), einsum, "
+                             "sdpa, copy")
     parser.add_argument("--points", type=int, nargs="*", help="indices into POINTS (default: all)")
     parser.add_argument("--sweep-points", type=int, nargs="*", help="indices into SWEEP_POINTS (default: all)")
     parser.add_argument("--sweep-tiles", nargs="*", default=(), metavar="NAME=V,V",
@@ -111,6 +113,16 @@ from dcp_compile.ops.triton_latent import LATENT_TILE_CHOICES, latent_tiles  # n
 def ours_fn(device):
     # On CPU the op is the torch reference, so the smoke run calls the Triton op directly.
     return torch.ops.dcp.latent_prefix_attention if device.type == "cuda" else latent_prefix_attention_triton
+
+
+def seesaw_fp16_calls(q, caches, kv_len, scale) -> list:
+    """The seesaw kernel with its slices' partials in fp16, where the library runs it."""
+    from dcp_compile.ops import triton_latent
+
+    if triton_latent.gluon_latent is None or not triton_latent.gluon_latent.gluon_latent_fits(q, *caches[0]):
+        raise ValueError("the seesaw kernel does not run at this point")
+    attend = triton_latent.gluon_latent.seesaw_attention
+    return [lambda lat=lat, pe=pe: attend(q, lat, pe, kv_len, scale, partials="fp16") for lat, pe in caches]
 
 
 def einsum_form(q, kv, pe, scale):
@@ -171,6 +183,7 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
     q_deepseek = q.transpose(1, 2).contiguous()
     arms = {
         "ours": lambda: [lambda lat=lat, pe=pe: ours(q, lat, pe, kv_len, scale) for lat, pe in caches],
+        "ours-fp16": lambda: seesaw_fp16_calls(q, caches, kv_len, scale),
         "einsum": lambda: [lambda lat=lat, pe=pe: einsum_form(q_deepseek, lat[:, 0], pe[:, 0], scale)
                            for lat, pe in caches],
         "sdpa": lambda: [lambda k=torch.cat([lat, pe], -1), v=lat: F.scaled_dot_product_attention(
@@ -304,7 +317,7 @@ def splits_point(batch, heads, tokens, context, device, timer) -> dict:
         calls = [lambda lat=lat, pe=pe, n=n: op(q, lat, pe, kv_len, 0.07, n) for lat, pe in caches]
         run, _ = timer.prepare(calls)
         ms = timer.measure(run, len(calls)) * 1e3
-        partials = _seesaw_outputs(q, n, "fp16")
+        partials = _seesaw_outputs(q, n, "fp32")
         merge = [lambda: merge_slices(*partials)]
         run, _ = timer.prepare(merge)
         merge_ms = timer.measure(run, 1) * 1e3 if n > 1 else 0.0

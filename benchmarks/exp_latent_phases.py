@@ -31,11 +31,11 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="write the JSON results here")
     parser.add_argument("--replays", type=int, default=20, help="graph replays timed, 5 rounds of the caches each")
-    parser.add_argument("--partials", nargs="+", default=["fp16", "fp32"],
+    parser.add_argument("--partials", nargs="+", default=["fp32", "fp16"],
                         help="forms of the slices' partials, each timed at every point, one after the other")
     parser.add_argument("--beside", nargs="*", default=[], metavar="FILE",
-                        help="copies of gluon_latent.py (an earlier form of the kernel) timed at every point beside "
-                             "the library's, with fp16 partials")
+                        help="copies of gluon_latent.py (another form of the kernel) timed at every point beside "
+                             "the library's, with the first of --partials")
     return parser.parse_args()
 
 
@@ -136,7 +136,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("the seesaw kernel runs on Hopper (compute capability 9.0)", file=sys.stderr)
         return 2
-    forms = [(partials, None) for partials in args.partials] + [("fp16", path) for path in args.beside]
+    forms = [(partials, None) for partials in args.partials] + [(args.partials[0], path) for path in args.beside]
     results = [point(*p, args.replays, *form) for p in POINTS for form in forms]
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                               command="python3 " + " ".join(sys.argv), points=results), indent=1))

@@ -26,10 +26,12 @@ sequence's (the caches are read flattened to ``[B * S, C]``; past the end TMA re
 zeros).  Their scores are set to -inf before the max, and the owner zeroes those latent
 rows in shared memory before any value product reads them (``0 * NaN`` is NaN).
 
-Slices: each program's output leaves for the merge as fp16 over its row's largest magnitude
-in its value half (the scale in fp32 beside it): 16 bits a value rather than fp32's 32, so
-half the bytes to store and to merge, every value within 2^-12 of the row's largest, and
-no overflow whatever the cache holds (``merge_slices``; ``partials="fp32"`` keeps fp32).
+Slices: each program's output leaves for the merge in fp32 (``merge_slices``).  With
+``partials="fp16"`` it leaves as fp16 over its row's largest magnitude in its value half
+(the scale in fp32 beside it): half the bytes to store and to merge, every value within
+2^-12 of the row's largest, and no overflow whatever the cache holds.  That form is
+compiled for sm_90a and its merge tested on CPU, but not yet timed or run on a GPU, so
+fp32 stays the default.
 
 Measured through the registered op on one H200 (CUDA-graph replays, 2026-12-03,
 ``benchmarks/exp_latent_gluon.py --graph``, log in ``benchmarks/results/2026-12-03/mla-gluon``):
@@ -167,14 +169,13 @@ def _pair_values(acc, p16, alpha, descs, kv_l, kv_r, kv_p, p_bufs, bars, i, n_pa
 
     a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
-    # Both products queued back to back, so the tensor cores never wait on this
-    # warpgroup between them; the first's block part is reloaded once it alone is done.
     acc = warpgroup_mma(gl.convert_layout(p16, a_o), kv_mine.index(W + z), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if i + 1 < n_pairs:  # this block's early part: its last user was this product
+        _load_part(lat_desc, pe_desc, kv_l, kv_r, kv_p, bars, next_row + W * 64, W, False)
+
     mbarrier.wait(bars.index(_P_READY + 1 - W), i & 1)
     acc = warpgroup_mma(p_bufs.index(1 - W + z), kv_mine.index(1 - W + z), acc, is_async=True)
-    acc = warpgroup_mma_wait(1, deps=(acc,))
-    if i + 1 < n_pairs:  # this block's early part: its last user was the first product
-        _load_part(lat_desc, pe_desc, kv_l, kv_r, kv_p, bars, next_row + W * 64, W, False)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(bars.index(_P_FREE + 1 - W), count=1)
     if i + 1 < n_pairs:  # the other block's late part: its last user was this product
@@ -375,9 +376,9 @@ def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> l
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [64, width], layout) for t, width, layout in boxes]
 
 
-PARTIALS = ("fp16", "fp32")
-"""How a slice's output reaches the merge: fp16 over each row's largest magnitude (the
-default: half the bytes), or fp32."""
+PARTIALS = ("fp32", "fp16")
+"""How a slice's output reaches the merge: fp32 (the default), or fp16 over each value
+half's largest magnitude in the row (half the bytes; not yet timed on a GPU)."""
 
 
 def _seesaw_outputs(q: torch.Tensor, num_splits: int, partials: str):
@@ -437,7 +438,7 @@ def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part
     return out, lse
 
 
-def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp16"):
+def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp32"):
     """The seesaw kernel and its merge: ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.
     ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
     its start, when q has landed, after its loop and after its stores.  ``partials``: one
