@@ -210,6 +210,21 @@ def slice_partials(seed, rows=6, splits=5):
     return o, lse, forms
 
 
+def test_the_seesaw_kernels_partials_take_the_form_asked_for_and_refuse_others():
+    gluon_latent = pytest.importorskip("dcp_compile.ops.gluon_latent")
+
+    q = torch.empty(2, 16, 4, 576, dtype=torch.bfloat16, device="meta")  # 128 rows
+    o_part, scale_part, lse_part = gluon_latent._seesaw_outputs(q, 5, "fp16")
+    assert (o_part.dtype, o_part.shape) == (torch.float16, (128, 5, 512))
+    assert (scale_part.dtype, scale_part.shape) == (torch.float32, (128, 5, 2)) and lse_part.shape == (128, 5)
+    o_part, scale_part, _ = gluon_latent._seesaw_outputs(q, 5, "fp32")
+    assert o_part.dtype == torch.float32 and scale_part is None
+    o_part, scale_part, _ = gluon_latent._seesaw_outputs(q, 1, "fp16")
+    assert o_part.dtype == torch.float32 and scale_part is None, "one slice writes the answer itself, in fp32"
+    with pytest.raises(ValueError, match=r"partials must be one of \('fp32', 'fp16'\), got 'bf16'"):
+        gluon_latent._seesaw_outputs(q, 5, "bf16")
+
+
 def test_the_seesaw_merge_folds_fp16_and_fp32_partials_like_float64(tmp_path):
     """The merge of the seesaw kernel's slices, under Triton's interpreter: fp16 partials
     over their row's largest magnitude are off by at most 2^-11 of it (a row at 3e6 would
