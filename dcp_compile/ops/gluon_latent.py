@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dcp_compile.ops.triton_prefix import MAX_SPLITS, _merge_splits, sm_count_of
+from dcp_compile.ops.triton_prefix import MAX_SPLITS, _merge_splits, _split_weights, _store_merged, sm_count_of
 
 LATENT_WIDTH, ROPE_WIDTH = 512, 64
 """The only slot shape the kernel takes: DeepSeek-V2/V3's and Kimi-K2's latent and rope key."""
@@ -397,28 +397,22 @@ def _seesaw_outputs(q: torch.Tensor, num_splits: int, partials: str):
 
 
 @triton.jit
-def _merge_scaled_kernel(O_PART, SCALE_PART, LSE_PART, O, LSE, num_splits, SPLITS: tl.constexpr):
-    """One row's slices folded by their lses: ``sum_s w_s scale_s o_s / sum_s w_s``."""
+def _merge_scaled_kernel(O_PART, SCALE_PART, LSE_PART, O, LSE, num_splits, D: tl.constexpr, SPLITS: tl.constexpr):
+    """One row's slices, fp16 with a scale for each half of the ``D`` columns, folded by
+    their lses: ``sum_s w_s scale_s o_s / sum_s w_s``."""
     row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.arange(0, SPLITS)
-    lse = tl.load(LSE_PART + row * num_splits + offs_n, mask=offs_n < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no slice saw a slot: every weight 0
-    total = tl.sum(tl.exp(lse - shift), 0)
-    cols = tl.arange(0, LATENT_WIDTH)
-    acc = tl.zeros([LATENT_WIDTH], tl.float32)
+    _, shift, total = _split_weights(LSE_PART, row, num_splits, SPLITS)
+    cols = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
     # Unrolled, so that every slice's loads are in flight at once.
     for s in tl.static_range(SPLITS):
         ok = s < num_splits
         part = row * num_splits + s
         w = tl.exp(tl.load(LSE_PART + part, mask=ok, other=float("-inf")) - shift)
-        scale = tl.load(SCALE_PART + part * 2 + cols // (LATENT_WIDTH // 2), mask=ok, other=0.0)
-        o = tl.load(O_PART + part * LATENT_WIDTH + cols, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.load(SCALE_PART + part * 2 + cols // (D // 2), mask=ok, other=0.0)
+        o = tl.load(O_PART + part * D + cols, mask=ok, other=0.0).to(tl.float32)
         acc += (w * scale) * o
-    seen = total > 0.0
-    total_safe = tl.where(seen, total, 1.0)
-    tl.store(O + row * LATENT_WIDTH + cols, acc / total_safe)
-    tl.store(LSE + row, tl.where(seen, shift + tl.log(total_safe), float("-inf")))
+    _store_merged(O, LSE, row, cols, acc, shift, total, D)
 
 
 def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part: torch.Tensor):
@@ -433,7 +427,7 @@ def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part
         _merge_splits(o_part.view(rows, 1, 1, num_splits, LATENT_WIDTH), lse_part.view(rows, 1, 1, num_splits),
                       out.view(rows, 1, 1, LATENT_WIDTH), lse.view(rows, 1, 1), num_splits)
     else:
-        _merge_scaled_kernel[(rows,)](o_part, scale_part, lse_part, out, lse, num_splits,
+        _merge_scaled_kernel[(rows,)](o_part, scale_part, lse_part, out, lse, num_splits, D=LATENT_WIDTH,
                                       SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
     return out, lse
 

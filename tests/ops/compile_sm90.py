@@ -1,5 +1,5 @@
-"""Compile the seesaw kernel (``dcp_compile/ops/gluon_latent.py``) for sm_90a on a machine
-without a GPU, and print what ptxas reports, as JSON:
+"""Compile the seesaw kernel (``dcp_compile/ops/gluon_latent.py``) and the merge of its
+slices for sm_90a on a machine without a GPU, and print what ptxas reports, as JSON:
 
     python tests/ops/compile_sm90.py fp32 fp16    # the forms of its slices' partials
 
@@ -38,13 +38,29 @@ class Hopper:
         return torch.device("cpu")
 
 
+def ptxas_report(ptx_text: str) -> dict:
+    """Registers and spills of one kernel's PTX, assembled for sm_90a by Triton's ptxas."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(ptx_text)
+        done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                              capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+                spill_stores=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+                spill_loads=int(re.search(r"(\d+) bytes spill loads", report).group(1)))
+
+
 def compiled(partials: str) -> dict:
-    """The kernel for 128 heads, 2 sequences of 1,024 slots in 4 slices: shared memory
-    and ptxas's registers and spills."""
+    """The kernel for 128 heads, 2 sequences of 1,024 slots in 4 slices, and the merge of
+    its partials: each one's shared memory and ptxas's registers and spills."""
     import torch
     import triton
 
-    from dcp_compile.ops import gluon_latent
+    from dcp_compile.ops import gluon_latent, triton_prefix
 
     B, H, S, splits = 2, 128, 1024, 4
     q = torch.zeros(B, H, 1, 576, dtype=torch.bfloat16)
@@ -53,16 +69,14 @@ def compiled(partials: str) -> dict:
     kernel = gluon_latent._latent_seesaw_kernel.warmup(
         *gluon_latent._descriptors(q, latent, rope), torch.full((B,), S), o_part, scale_part, lse_part, 0.1, S, H,
         None, num_warps=4, grid=(2, splits, B))
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as folder:
-        ptx = Path(folder) / "kernel.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-                              capture_output=True, text=True, check=True)
-    report = done.stdout + done.stderr
-    return dict(shared=kernel.metadata.shared, registers=int(re.search(r"Used (\d+) registers", report).group(1)),
-                spill_stores=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
-                spill_loads=int(re.search(r"(\d+) bytes spill loads", report).group(1)))
+    out, lse = torch.zeros(B * H, 512), torch.zeros(B * H)
+    sizes = dict(D=512, SPLITS=triton.next_power_of_2(splits), num_warps=4, grid=(B * H,))
+    if scale_part is None:
+        merge = triton_prefix._merge_splits_kernel.warmup(o_part, lse_part, out, lse, splits, **sizes)
+    else:
+        merge = gluon_latent._merge_scaled_kernel.warmup(o_part, scale_part, lse_part, out, lse, splits, **sizes)
+    return dict(kernel=dict(shared=kernel.metadata.shared, **ptxas_report(kernel.asm["ptx"])),
+                merge=dict(shared=merge.metadata.shared, **ptxas_report(merge.asm["ptx"])))
 
 
 def main(forms: list[str]) -> None:
