@@ -78,7 +78,8 @@ def kernel_module(path: str | None):
     return module
 
 
-def point(batch, heads, tokens, context, replays, partials, source=None) -> dict:
+def point(batch, heads, tokens, context, replays, partials, gluon_latent, source=None) -> dict:
+    """One point under ``gluon_latent`` (the library's, or a copy loaded from ``source``)."""
     import torch
 
     from dcp_compile.ops.attention import latent_prefix_attention_reference
@@ -91,7 +92,6 @@ def point(batch, heads, tokens, context, replays, partials, source=None) -> dict
     kv_len = torch.full((batch,), context, device="cuda")
     ref_out, ref_lse = latent_prefix_attention_reference(q.float(), caches[0][0].float(), caches[0][1].float(),
                                                          kv_len, 0.07)
-    gluon_latent = kernel_module(source)
     out, lse = gluon_latent.seesaw_attention(q, *caches[0], kv_len, 0.07, partials=partials)
     error = dict(out=(out - ref_out).abs().max().item(), lse=(lse - ref_lse).abs().max().item())
     row_blocks, splits, _ = gluon_latent.seesaw_grid(q, caches[0][0])
@@ -136,7 +136,9 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("the seesaw kernel runs on Hopper (compute capability 9.0)", file=sys.stderr)
         return 2
-    forms = [(partials, None) for partials in args.partials] + [(args.partials[0], path) for path in args.beside]
+    library = kernel_module(None)
+    forms = ([(partials, library, None) for partials in args.partials]
+             + [(args.partials[0], kernel_module(path), path) for path in args.beside])
     results = [point(*p, args.replays, *form) for p in POINTS for form in forms]
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                               command="python3 " + " ".join(sys.argv), points=results), indent=1))

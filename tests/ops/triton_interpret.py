@@ -13,6 +13,7 @@ uses ``patch_interpreter`` too.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -58,8 +59,6 @@ def main(cases_path: str, results_path: str, op: str = "prefix_attention_triton"
     import torch
 
     patch_interpreter()
-    import importlib
-
     import dcp_compile.ops
 
     module, _, name = op.rpartition(".")
