@@ -190,12 +190,13 @@ def test_tile_overrides_and_cpu_tensors_take_the_split_kernel():
     assert latent_prefix_kernel(args["q"], args["latent"], args["rope"], {"num_stages": 2}) == "split"
 
 
-def slice_partials(seed, rows=6, splits=5):
+def slice_partials(seed):
     """Slices' outputs in float64 (rows of very different magnitudes, one past fp16's
     range), their lses (some slices saw nothing, one row nothing anywhere), and the forms
     the seesaw kernel writes: fp16 over each value half's largest magnitude, and fp32."""
     gen = torch.Generator().manual_seed(seed)
-    magnitude = torch.tensor([1e-3, 1.0, 1e5, 3e6, 1.0, 1.0], dtype=torch.float64)[:rows, None, None]
+    rows, splits = 6, 5
+    magnitude = torch.tensor([1e-3, 1.0, 1e5, 3e6, 1.0, 1.0], dtype=torch.float64)[:, None, None]
     o = torch.randn(rows, splits, 512, generator=gen, dtype=torch.float64) * magnitude
     lse = torch.randn(rows, splits, generator=gen, dtype=torch.float64) * 4
     lse[1, 2], lse[4, :], lse[5, 1:] = float("-inf"), float("-inf"), float("-inf")
