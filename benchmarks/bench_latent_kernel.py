@@ -80,7 +80,7 @@ def parse_args():
                         help="the seesaw kernel (Hopper, 64+ rows a sequence) at SPLIT_POINTS under these slice "
                              "counts, with its merge timed alone, not the arms")
     parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"),
-                        help="of ours, ours-fp16 (the seesaw kernel with fp16 partials, where it runs), einsum, "
+                        help="of ours, ours-fp32 (the seesaw kernel with fp32 partials, where it runs), einsum, "
                              "sdpa, copy")
     parser.add_argument("--points", type=int, nargs="*", help="indices into POINTS (default: all)")
     parser.add_argument("--sweep-points", type=int, nargs="*", help="indices into SWEEP_POINTS (default: all)")
@@ -115,14 +115,15 @@ def ours_fn(device):
     return torch.ops.dcp.latent_prefix_attention if device.type == "cuda" else latent_prefix_attention_triton
 
 
-def seesaw_fp16_calls(q, caches, kv_len, scale) -> list:
-    """The seesaw kernel with its slices' partials in fp16, where the library runs it."""
+def seesaw_fp32_calls(q, caches, kv_len, scale) -> list:
+    """The seesaw kernel with its slices' partials in fp32 (the library's are fp16), where the
+    library runs it."""
     from dcp_compile.ops import triton_latent
 
     if triton_latent.gluon_latent is None or not triton_latent.gluon_latent.gluon_latent_fits(q, *caches[0]):
         raise ValueError("the seesaw kernel does not run at this point")
     attend = triton_latent.gluon_latent.seesaw_attention
-    return [lambda lat=lat, pe=pe: attend(q, lat, pe, kv_len, scale, partials="fp16") for lat, pe in caches]
+    return [lambda lat=lat, pe=pe: attend(q, lat, pe, kv_len, scale, partials="fp32") for lat, pe in caches]
 
 
 def einsum_form(q, kv, pe, scale):
@@ -183,7 +184,7 @@ def run_point(batch, heads, tokens, context, device, timer) -> dict:
     q_deepseek = q.transpose(1, 2).contiguous()
     arms = {
         "ours": lambda: [lambda lat=lat, pe=pe: ours(q, lat, pe, kv_len, scale) for lat, pe in caches],
-        "ours-fp16": lambda: seesaw_fp16_calls(q, caches, kv_len, scale),
+        "ours-fp32": lambda: seesaw_fp32_calls(q, caches, kv_len, scale),
         "einsum": lambda: [lambda lat=lat, pe=pe: einsum_form(q_deepseek, lat[:, 0], pe[:, 0], scale)
                            for lat, pe in caches],
         "sdpa": lambda: [lambda k=torch.cat([lat, pe], -1), v=lat: F.scaled_dot_product_attention(
@@ -303,7 +304,7 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
 def splits_point(batch, heads, tokens, context, device, timer) -> dict:
     """The seesaw op under each of ``--splits`` slice counts (and its default), and the
     merge of its per-slice partials alone: how much of the op the merge is."""
-    from dcp_compile.ops.gluon_latent import _seesaw_outputs, merge_slices, seesaw_grid
+    from dcp_compile.ops.gluon_latent import PARTIALS, _seesaw_outputs, merge_slices, seesaw_grid
 
     cache_bytes = batch * context * (C + R) * 2
     gen = torch.Generator(device=device).manual_seed(context + heads)
@@ -317,7 +318,7 @@ def splits_point(batch, heads, tokens, context, device, timer) -> dict:
         calls = [lambda lat=lat, pe=pe, n=n: op(q, lat, pe, kv_len, 0.07, n) for lat, pe in caches]
         run, _ = timer.prepare(calls)
         ms = timer.measure(run, len(calls)) * 1e3
-        partials = _seesaw_outputs(q, n, "fp32")
+        partials = _seesaw_outputs(q, n, PARTIALS[0])
         merge = [lambda: merge_slices(*partials)]
         run, _ = timer.prepare(merge)
         merge_ms = timer.measure(run, 1) * 1e3 if n > 1 else 0.0

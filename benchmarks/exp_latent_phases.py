@@ -31,7 +31,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="write the JSON results here")
     parser.add_argument("--replays", type=int, default=20, help="graph replays timed, 5 rounds of the caches each")
-    parser.add_argument("--partials", nargs="+", default=["fp32", "fp16"],
+    parser.add_argument("--partials", nargs="+", default=["fp16", "fp32"],
                         help="forms of the slices' partials, each timed at every point, one after the other")
     parser.add_argument("--beside", nargs="*", default=[], metavar="FILE",
                         help="copies of gluon_latent.py (another form of the kernel) timed at every point beside "

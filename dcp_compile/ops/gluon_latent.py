@@ -26,17 +26,19 @@ sequence's (the caches are read flattened to ``[B * S, C]``; past the end TMA re
 zeros).  Their scores are set to -inf before the max, and the owner zeroes those latent
 rows in shared memory before any value product reads them (``0 * NaN`` is NaN).
 
-Slices: each program's output leaves for the merge in fp32 (``merge_slices``).  With
-``partials="fp16"`` it leaves as fp16 over its row's largest magnitude in its value half
-(the scale in fp32 beside it): half the bytes to store and to merge, every value within
-2^-12 of the row's largest, and no overflow whatever the cache holds.  That form is
-compiled for sm_90a and its merge tested on CPU, but not yet timed or run on a GPU, so
-fp32 stays the default.
+Slices: each program's output leaves for the merge (``merge_slices``) as fp16 over its
+row's largest magnitude in its value half, the scale in fp32 beside it (``partials``,
+default ``"fp16"``): half the bytes of fp32 to store, every value within 2^-12 of the row's
+largest, and no overflow whatever the cache holds.  Against fp32 partials on one H100
+(2026-12-05, ``benchmarks/results/2026-12-05/mla-fp16-partials``): the stores 4.35 -> 2.05
+us and the op 0.917x the time at B=8, H=128, T=1, 8K, 0.951x at H=16, T=4, 32K, level
+(within 0.3%) where the loop dominates; the error beside fp32's (3.2e-4 against 3.1e-4).
 
-Measured through the registered op on one H200 (CUDA-graph replays, 2026-12-03,
-``benchmarks/exp_latent_gluon.py --graph``, log in ``benchmarks/results/2026-12-03/mla-gluon``):
-514 TFLOP/s at B=8, H=128, T=1, 32K (split-KV kernel 269, DeepSeek's einsum form 131), 547
-at B=32, 391 at 8K, 400 at H=16, T=4 and 574 at H=16, T=16.
+Measured through the registered op with fp32 partials on one H200 (CUDA-graph replays,
+2026-12-03, ``benchmarks/exp_latent_gluon.py --graph``, log in
+``benchmarks/results/2026-12-03/mla-gluon``): 514 TFLOP/s at B=8, H=128, T=1, 32K (split-KV
+kernel 269, DeepSeek's einsum form 131), 547 at B=32, 391 at 8K, 400 at H=16, T=4 and 574
+at H=16, T=16.
 """
 
 from __future__ import annotations
@@ -376,9 +378,9 @@ def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> l
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [64, width], layout) for t, width, layout in boxes]
 
 
-PARTIALS = ("fp32", "fp16")
-"""How a slice's output reaches the merge: fp32 (the default), or fp16 over each value
-half's largest magnitude in the row (half the bytes; not yet timed on a GPU)."""
+PARTIALS = ("fp16", "fp32")
+"""How a slice's output reaches the merge: fp16 over each value half's largest magnitude in
+the row (the default: half the bytes), or fp32."""
 
 
 def _seesaw_outputs(q: torch.Tensor, num_splits: int, partials: str):
@@ -432,7 +434,7 @@ def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part
     return out, lse
 
 
-def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp32"):
+def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp16"):
     """The seesaw kernel and its merge: ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.
     ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
     its start, when q has landed, after its loop and after its stores.  ``partials``: one

@@ -222,7 +222,7 @@ def test_the_seesaw_kernels_partials_take_the_form_asked_for_and_refuse_others()
     assert o_part.dtype == torch.float32 and scale_part is None
     o_part, scale_part, _ = gluon_latent._seesaw_outputs(q, 1, "fp16")
     assert o_part.dtype == torch.float32 and scale_part is None, "one slice writes the answer itself, in fp32"
-    with pytest.raises(ValueError, match=r"partials must be one of \('fp32', 'fp16'\), got 'bf16'"):
+    with pytest.raises(ValueError, match=r"partials must be one of \('fp16', 'fp32'\), got 'bf16'"):
         gluon_latent._seesaw_outputs(q, 5, "bf16")
 
 
