@@ -2,7 +2,7 @@
 # fp16 partials as the seesaw kernel's default: the GPU tests, the kernel grid with fp32 partials interleaved (ours-fp32),
 # and the V2-Lite-shaped step with the library's default (fp16) and with a copy of the tree whose default is
 # fp32, one after the other in this run. From the repository root:
-#   bash benchmarks/results/2026-12-05/mla-fp16-default/run.sh    # $OUT: where the logs go
+#   bash benchmarks/results/2026-12-05/mla-fp16-default/run.sh    # $OUT: where the logs go; TESTS=0 skips the tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 CONTEXTS=32768,131072   # 512K (B=8, 27 layers) needs 130 GB of cache: only where the card holds it
@@ -17,7 +17,7 @@ sed -i 's/times=None, partials="fp16"):/times=None, partials="fp32"):/' /tmp/fp3
 for tree in $PWD /tmp/fp32tree; do (cd $tree && PYTHONPATH=$tree python3 -c 'from dcp_compile.ops import gluon_latent as g
 print(g.__file__, "partials default", g.seesaw_attention.__defaults__[-1])'); done
 E2E="--model v2lite --regional --arms one --contexts $CONTEXTS --batches 8 --verify-batches 8 --edge ''"
-PYTHONPATH=$PWD:$PWD/benchmarks TAILN=3 ph pytest_gpu 200 python3 -m pytest -q -m gpu tests/ops/test_triton_latent.py -p no:cacheprovider
+[ "${TESTS:-1}" = 0 ] || PYTHONPATH=$PWD:$PWD/benchmarks TAILN=3 ph pytest_gpu 200 python3 -m pytest -q -m gpu tests/ops/test_triton_latent.py -p no:cacheprovider
 PYTHONPATH=$PWD:$PWD/benchmarks TAILN=20 ph mla_kernel 150 python3 benchmarks/bench_latent_kernel.py --arms ours ours-fp32 einsum copy --out $OUT/mla_kernel.json
 PYTHONPATH=$PWD:$PWD/benchmarks TAILN=9 ph e2e_fp16 190 bash -c "python3 benchmarks/bench_e2e.py $E2E --out $OUT/e2e_fp16.json"
 PYTHONPATH=/tmp/fp32tree:/tmp/fp32tree/benchmarks TAILN=9 ph e2e_fp32 190 bash -c "cd /tmp/fp32tree && python3 benchmarks/bench_e2e.py $E2E --out $OUT/e2e_fp32.json"
