@@ -28,11 +28,12 @@ rows in shared memory before any value product reads them (``0 * NaN`` is NaN).
 
 Slices: each program's output leaves for the merge (``merge_slices``) as fp16 over its
 row's largest magnitude in its value half, the scale in fp32 beside it (``partials``,
-default ``"fp16"``): half the bytes of fp32 to store, every value within 2^-12 of the row's
-largest, and no overflow whatever the cache holds.  Against fp32 partials on one H100
-(2026-12-05, ``benchmarks/results/2026-12-05/mla-fp16-partials``): the stores 4.35 -> 2.05
-us and the op 0.917x the time at B=8, H=128, T=1, 8K, 0.951x at H=16, T=4, 32K, level
-(within 0.3%) where the loop dominates; the error beside fp32's (3.2e-4 against 3.1e-4).
+default ``PARTIALS[0]``): half the bytes of fp32 to store, every value within 2^-12 of
+the row's largest, and no overflow whatever the cache holds.  Against fp32 partials on
+one H100 (2026-12-05, ``benchmarks/results/2026-12-05/mla-fp16-partials``): the stores
+4.35 -> 2.05 us and the op 0.917x the time at B=8, H=128, T=1, 8K, 0.951x at H=16, T=4,
+32K and 0.979-1.003x at the six points where the loop dominates; the error beside fp32's
+(3.2e-4 against 3.1e-4).
 
 Measured through the registered op with fp32 partials on one H200 (CUDA-graph replays,
 2026-12-03, ``benchmarks/exp_latent_gluon.py --graph``, log in
@@ -379,8 +380,8 @@ def _descriptors(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> l
 
 
 PARTIALS = ("fp16", "fp32")
-"""How a slice's output reaches the merge: fp16 over each value half's largest magnitude in
-the row (the default: half the bytes), or fp32."""
+"""How a slice's output reaches the merge, the first the default: fp16 over each value
+half's largest magnitude in the row (half the bytes), or fp32."""
 
 
 def _seesaw_outputs(q: torch.Tensor, num_splits: int, partials: str):
@@ -434,7 +435,7 @@ def merge_slices(o_part: torch.Tensor, scale_part: torch.Tensor | None, lse_part
     return out, lse
 
 
-def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials="fp16"):
+def seesaw_attention(q, latent, rope, kv_len, scale, num_splits=None, times=None, partials=PARTIALS[0]):
     """The seesaw kernel and its merge: ``(out fp32 [B, H, T, 512], lse fp32 [B, H, T])``.
     ``times`` (experiments): int64 ``[programs, 4]``, each program's global timer (ns) at
     its start, when q has landed, after its loop and after its stores.  ``partials``: one

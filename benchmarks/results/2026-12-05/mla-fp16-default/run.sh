@@ -13,7 +13,7 @@ CONTEXTS=32768,131072   # 512K (B=8, 27 layers) needs 130 GB of cache: only wher
 cat $OUT/env.txt
 ph() { local name=$1 s=$2; shift 2; echo "== $name $(date -u +%H:%M:%S)"; timeout -k 5 $s "$@" > $OUT/$name.log 2>&1; echo "$name exit $? $(date -u +%H:%M:%S)"; tail -n ${TAILN:-6} $OUT/$name.log; }
 rm -rf /tmp/fp32tree && mkdir /tmp/fp32tree && cp -r dcp_compile benchmarks /tmp/fp32tree/
-sed -i 's/times=None, partials="fp16"):/times=None, partials="fp32"):/' /tmp/fp32tree/dcp_compile/ops/gluon_latent.py
+sed -i 's/^PARTIALS = ("fp16", "fp32")$/PARTIALS = ("fp32", "fp16")/' /tmp/fp32tree/dcp_compile/ops/gluon_latent.py
 for tree in $PWD /tmp/fp32tree; do (cd $tree && PYTHONPATH=$tree python3 -c 'from dcp_compile.ops import gluon_latent as g
 print(g.__file__, "partials default", g.seesaw_attention.__defaults__[-1])'); done
 E2E="--model v2lite --regional --arms one --contexts $CONTEXTS --batches 8 --verify-batches 8 --edge ''"
