@@ -7,8 +7,8 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.runtime.generate import prefill_chunks
 from dcp_compile.runtime.launch import spawn_ranks
-from tests.support import FP32_TOLERANCE, agreeing_pair
 from tests.runtime.workers import chunked_parity_worker, chunked_spec_worker, long_prefill_memory_worker
+from tests.support import FP32_TOLERANCE, agreeing_pair
 
 # Rows longer than one chunk next to rows shorter than one; 7 divides none of them.
 RAGGED = (5, 17, 30)
@@ -54,10 +54,18 @@ def test_chunked_prefill_then_decode_matches_the_unsharded_model(size, chunk_siz
         assert r["graphs"] == 2, "one prefill-chunk graph and one decode graph"
 
 
+SPEC_LENGTHS, SPEC_CHUNK = (3, 11, 26, 40), 9
+
+
+@pytest.fixture(scope="module")
+def chunked_off_arm():
+    """The off arm (a group of one), shared by both group sizes."""
+    return spawn_ranks(chunked_spec_worker, 1, SPEC_CHUNK, SPEC_LENGTHS, 0.0, timeout=600)[0]
+
+
 @pytest.mark.parametrize("size", [2, 3])
-def test_chunked_speculative_decoding_matches_the_off_arm(size):
-    lengths, chunk_size = (3, 11, 26, 40), 9
-    off = spawn_ranks(chunked_spec_worker, 1, chunk_size, lengths, 0.0, timeout=600)[0]
+def test_chunked_speculative_decoding_matches_the_off_arm(size, chunked_off_arm):
+    lengths, chunk_size, off = SPEC_LENGTHS, SPEC_CHUNK, chunked_off_arm
     dcp_arm = spawn_ranks(chunked_spec_worker, size, chunk_size, lengths, 0.0, timeout=600)
     for r in dcp_arm:
         assert r["tokens"] == off["tokens"] and r["accepted"] == off["accepted"]

@@ -1,6 +1,8 @@
 """The correctness gate: speculative decoding on a DCP group gives the off arm's tokens
 and accept counts exactly."""
 
+import functools
+
 import pytest
 
 from dcp_compile.runtime.launch import spawn_ranks
@@ -14,6 +16,12 @@ def run(size, kind, temperature=0.0, max_new_tokens=40, step_graph=False):
     for r in results[1:]:
         assert r["tokens"] == results[0]["tokens"] and r["accepted"] == results[0]["accepted"], "ranks disagree"
     return results[0]
+
+
+@functools.cache
+def off_run(kind, temperature, max_new_tokens):
+    """The off arm (a group of one), shared by the group sizes it is compared with."""
+    return run(1, kind, temperature=temperature, max_new_tokens=max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,7 @@ def test_sampling_gate(size):
     """Sampling draws on each rank's own device generator, seeded alike: no communication,
     and still the off arm's tokens.  The DCP arm runs each step as one graph, the off arm
     the step's calls one by one."""
-    off = run(1, "eagle3", temperature=0.8, max_new_tokens=24)
+    off = off_run("eagle3", 0.8, 24)
     dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24, step_graph=True)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
 
@@ -67,7 +75,7 @@ def test_ranks_that_diverge_all_stop_with_the_same_error():
 def test_mla_target_gate(size, temperature):
     """An MLA target (latent caches sharded) with an EAGLE3 draft (a Llama layer, whole):
     the off arm's tokens and accept counts, greedy and sampled."""
-    off = run(1, "mla", temperature=temperature, max_new_tokens=32)
+    off = off_run("mla", temperature, 32)
     dcp_arm = run(size, "mla", temperature=temperature, max_new_tokens=32)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
     seen = {a for row in dcp_arm["accepted"] for a in row}
