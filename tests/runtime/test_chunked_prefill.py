@@ -65,8 +65,8 @@ def chunked_off_arm():
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_chunked_speculative_decoding_matches_the_off_arm(size, chunked_off_arm):
-    lengths, chunk_size, off = SPEC_LENGTHS, SPEC_CHUNK, chunked_off_arm
-    dcp_arm = spawn_ranks(chunked_spec_worker, size, chunk_size, lengths, 0.0, timeout=600)
+    off = chunked_off_arm
+    dcp_arm = spawn_ranks(chunked_spec_worker, size, SPEC_CHUNK, SPEC_LENGTHS, 0.0, timeout=600)
     for r in dcp_arm:
         assert r["tokens"] == off["tokens"] and r["accepted"] == off["accepted"]
     assert off["finished"] == ["length"] * 4
