@@ -33,7 +33,9 @@ the row's largest, and no overflow whatever the cache holds.  Against fp32 parti
 one H100 (2026-12-05, ``benchmarks/results/2026-12-05/mla-fp16-partials``): the stores
 4.35 -> 2.05 us and the op 0.917x the time at B=8, H=128, T=1, 8K, 0.951x at H=16, T=4,
 32K and 0.979-1.003x at the six points where the loop dominates; the error beside fp32's
-(3.2e-4 against 3.1e-4).
+(3.2e-4 against 3.1e-4).  On one H200, the two forms interleaved (2026-12-06,
+``benchmarks/results/2026-12-06/mla-fp16-default-h200``): 405 against 380 TFLOP/s at B=8,
+H=128, T=1, 8K and 413 against 401 at H=16, T=4, 32K.
 
 Measured through the registered op with fp32 partials on one H200 (CUDA-graph replays,
 2026-12-03, ``benchmarks/exp_latent_gluon.py --graph``, log in
