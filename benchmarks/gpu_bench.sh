@@ -109,7 +109,7 @@ for what in "$@"; do
     mlasweep) single mlasweep "${MLASWEEP_SECONDS:-300}" python3 benchmarks/bench_latent_kernel.py --sweep \
               --out "$OUT/mla_sweep.json" ;;
     mlakernel) single mlakernel "${MLAKERNEL_SECONDS:-240}" python3 benchmarks/bench_latent_kernel.py \
-              --out "$OUT/mla_kernel.json" ;;
+              --out "$OUT/mla_kernel.json" ${MLAKERNEL_ARGS:-} ;;
     mlagate) phase mlagate "${MLAGATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --target mla --prompts 512 \
               --max-prompt 512 --max-batch 64 --json "$OUT/mla_gate.json" ${MLAGATE_ARGS:-} ;;
     mlae2e) phase mlae2e "${MLAE2E_SECONDS:-480}" benchmarks/bench_e2e.py --model v2lite --regional \
