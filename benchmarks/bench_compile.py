@@ -42,7 +42,8 @@ def child(args) -> dict:
     import torch
 
     imported = time.perf_counter() - START
-    from dcp_compile import arms, cli, loading
+    from dcp_compile import cli
+    from dcp_compile.commands import arms, loading
     from dcp_compile.group import DCPGroup
     from dcp_compile.runtime import spec
 

@@ -42,14 +42,14 @@ import load_test  # noqa: E402
 
 
 LOOP_KEYS = ("while_running_seconds", "while_running_slow", "between_steps_seconds", "between_steps_slow")
-"""The server's engine loop's own host time (``serve_engine.EngineLoop.timings``)."""
+"""The server's engine loop's own host time (``serve.engine.EngineLoop.timings``)."""
 DEVICE_KEYS = ("device_step_seconds", "device_wait_seconds", "device_waits", "device_long_waits",
                "device_long_wait_seconds")
 
 
 def offline(args, requests) -> dict:
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
     from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 
     device = torch.device(args.device)
@@ -188,7 +188,7 @@ def hf_generate(args, requests) -> dict:
 LOAD_PROBE = """
 import json, sys, threading, time
 import torch
-from dcp_compile import loading
+from dcp_compile.commands import loading
 
 peaks = dict(RssAnon=0, RssFile=0)
 stop = threading.Event()

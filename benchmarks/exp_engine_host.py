@@ -36,7 +36,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
     from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 
     device = torch.device(args.device)

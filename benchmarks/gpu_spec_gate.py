@@ -9,7 +9,7 @@ Both arms decode the same prompts with the test pair of ``tests.support.agreeing
 (a target and a draft built to agree most of the time, so every accept count occurs).
 Rank 0 also runs the off arm (plain torch.compile semantics, group of size 1).  Reported:
 the token-identity rate, per-step accept-count identity, mean accept lengths, and the
-verdict of ``dcp_compile.gate.evaluate`` (the paired accept-length criterion in bf16).
+verdict of ``dcp_compile.commands.gate.evaluate`` (the paired accept-length criterion in bf16).
 
 ``--cuda-graphs``: the decoders capture their per-step calls.
 
@@ -31,7 +31,7 @@ import torch
 
 import dcp_compile as dcp
 from _report import parse_with_watchdog
-from dcp_compile.gate import evaluate
+from dcp_compile.commands.gate import evaluate
 from dcp_compile.runtime.spec import SpecDecoder
 from tests.support import agreeing_pair
 

@@ -70,7 +70,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_requests(n: int, seed: int = 0, prompt_lengths=(8, 200), max_tokens=(8, 96)) -> list[dict]:
-    from dcp_compile import training
+    from dcp_compile.commands import training
 
     rng = random.Random(seed)
     prompts = training.held_out_prompts(n, prompt_lengths[1], seed=seed)

@@ -31,7 +31,7 @@ def _tokenizer():
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from dcp_compile.export import gpt2_byte_chars
+    from dcp_compile.commands.export import gpt2_byte_chars
 
     chars = gpt2_byte_chars()
     vocab = {chars[b]: b for b in range(256)}

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dcp_compile import training
+from dcp_compile.commands import training
 from dcp_compile.models.pretrained import load_pair
 from dcp_compile.runtime import tree as tree_lib
 

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from dcp_compile.arms import demo, gate_command
+from dcp_compile.commands.arms import demo, gate_command
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
 MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, or a Hugging Face causal-LM directory "
@@ -77,7 +77,7 @@ def _is_tree(args: argparse.Namespace) -> bool:
 def train_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dcp_compile import training
+    from dcp_compile.commands import training
 
     cfg = training.preset(args.preset, target_steps=args.target_steps, draft_steps=args.draft_steps, batch=args.batch)
     device = torch.device(args.device)
@@ -94,7 +94,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from dcp_compile.export import export_pair
+    from dcp_compile.commands.export import export_pair
 
     try:
         written = export_pair(args.model, args.out, progress=True)
@@ -105,7 +105,7 @@ def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from dcp_compile import training
+    from dcp_compile.commands import training
 
     result = training.measure_acceptance(
         args.spec, device=args.device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens,
@@ -207,7 +207,7 @@ def _resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
     spawned or weights read: a directory of neither format, a missing weight file, a
     draft for another width or vocabulary, an extension or RoPE type not implemented
     here and a model family DCP does not shard are usage errors (exit 2)."""
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
 
     try:
         spec = loading.resolve(args.model, args.draft)

@@ -11,7 +11,7 @@ by DCP. Every rank checks the greedy tokens against transformers' own greedy
     torchrun --standalone --nproc-per-node 2 examples/hf_eagle3.py
 
 Without ``--model DIR --draft DIR`` each rank first writes the shipped tiny-code pair with
-``dcp_compile.export.export_pair`` (a ``LlamaForCausalLM`` directory with its tokenizer,
+``dcp_compile.commands.export.export_pair`` (a ``LlamaForCausalLM`` directory with its tokenizer,
 and an EAGLE3 draft) to a temporary directory. Two CPU ranks over gloo, about 30 s. On
 GPUs: ``--device cuda --dtype bfloat16`` (NCCL, Inductor/Triton); in bf16 the tokens can
 part from ``generate()``'s where two logits are within rounding of each other.
@@ -53,7 +53,7 @@ def main():
     device, dtype = group.device, getattr(torch, args.dtype)
     source = args.model or "the exported tiny-code pair"
     if args.model is None:
-        from dcp_compile.export import export_pair
+        from dcp_compile.commands.export import export_pair
 
         scratch = tempfile.TemporaryDirectory()  # removed when the script exits
         written = export_pair("tiny-code", Path(scratch.name) / "pair")

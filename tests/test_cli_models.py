@@ -125,7 +125,7 @@ def test_eval_needs_a_draft_for_an_hf_model(exported, capsys):
 def test_the_exported_pair_keeps_its_accept_length_through_the_published_route(exported):
     """The same held-out prompts through the native pair and through transformers' directory
     with the EAGLE3 checkpoint: the same accept counts, step for step in aggregate."""
-    from dcp_compile import loading, training
+    from dcp_compile.commands import loading, training
 
     options = dict(k=4, n_prompts=8, new_tokens=48, batch=8)
     native = training.measure_acceptance("tiny-code", **options)

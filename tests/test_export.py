@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 
-from dcp_compile.export import CHAT_TEMPLATE, _feature_layer_keys, export_pair, gpt2_byte_chars  # noqa: E402
+from dcp_compile.commands.export import CHAT_TEMPLATE, _feature_layer_keys, export_pair, gpt2_byte_chars  # noqa: E402
 from dcp_compile.models.eagle import DraftConfig, EagleDraft  # noqa: E402
 from dcp_compile.models.llama import Llama, LlamaConfig, apply_rope, init_weights, rope_tables  # noqa: E402
 from dcp_compile.models.pretrained import load_pair, save_pair  # noqa: E402

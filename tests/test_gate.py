@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dcp_compile.cli import main
-from dcp_compile.gate import evaluate, homogeneity_chi2
+from dcp_compile.commands.gate import evaluate, homogeneity_chi2
 
 K = 4
 

@@ -6,6 +6,8 @@ names), and no module or function is longer than a reader holds at once."""
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_compile"
 
 
@@ -70,6 +72,8 @@ def test_the_graph_is_read_from_every_kind_of_import():
     assert "dcp_compile.runtime.spec" in graph["dcp_compile.runtime.engine"]  # module level, absolute
     assert "dcp_compile.ops" in graph["dcp_compile"]  # ``from dcp_compile import ops``: a submodule
     assert "dcp_compile.runtime.cuda_graphs" in graph["dcp_compile.runtime.spec"]  # inside a function
+    assert "dcp_compile.serve.engine" in graph["dcp_compile.serve"]  # a package's ``__init__`` importing its module
+    assert "dcp_compile.commands.loading" in graph["dcp_compile.serve.http"]  # ``from dcp_compile.commands import loading``
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -96,31 +100,67 @@ LAYERS = (
     ("runtime",),
     ("dcp_compile",),  # the package's public surface, which the commands below import
     ("hf",),
-    ("loading", "export"),
-    ("training", "gate"),
-    ("arms", "serve_requests"),
-    ("serve_frontend",),
-    ("serve_engine",),
-    ("serve_http",),
+    ("commands", "commands.loading", "commands.export"),
+    ("commands.training", "commands.gate"),
+    ("commands.arms", "serve.requests"),
+    ("serve.frontend",),
+    ("serve.engine",),
+    ("serve.http",),
     ("serve", "cli"),
 )
 """The package's layers, lowest first: a module imports only from its own layer's parts or
 from lower layers (``dcp_compile.runtime.spec`` -> ``dcp_compile.ops`` runs down; the
-reverse would run back up)."""
+reverse would run back up).  A part is a top-level name (``runtime``: the package and all its
+modules), or, for a package whose modules have an order among themselves, one module of it
+(``serve.engine``); such a package's every module is listed."""
+
+
+def layer_part(module: str) -> str:
+    """The part of LAYERS that ``module`` belongs to."""
+    parts = module.split(".")[1:] or [module]
+    listed = {name for names in LAYERS for name in names}
+    if len(parts) > 1 and any(name.startswith(parts[0] + ".") for name in listed):
+        part = ".".join(parts[:2])
+        if part not in listed:
+            raise AssertionError(f"{module} is in no layer of LAYERS: add {part!r} there")
+        return part
+    if parts[0] not in listed:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add its top-level name there")
+    return parts[0]
 
 
 def layer_of(module: str) -> int:
-    part = module.split(".")[1] if "." in module else module
-    for index, names in enumerate(LAYERS):
-        if part in names:
-            return index
-    raise AssertionError(f"{module} is in no layer of LAYERS: add its top-level name there")
+    part = layer_part(module)
+    return next(index for index, names in enumerate(LAYERS) if part in names)
+
+
+def test_layers_are_read_from_the_top_level_name_or_a_listed_module():
+    assert layer_part("dcp_compile") == "dcp_compile"
+    assert layer_part("dcp_compile.runtime.spec") == layer_part("dcp_compile.runtime") == "runtime"
+    assert layer_part("dcp_compile.serve") == "serve"
+    assert layer_part("dcp_compile.serve.engine") == "serve.engine"
+    assert layer_of("dcp_compile.serve.requests") < layer_of("dcp_compile.serve.engine") < layer_of("dcp_compile.serve")
+    assert layer_of("dcp_compile.hf") < layer_of("dcp_compile.commands.loading") < layer_of("dcp_compile.commands.arms")
+    with pytest.raises(AssertionError, match="add 'serve.unlisted'"):
+        layer_part("dcp_compile.serve.unlisted")
+    with pytest.raises(AssertionError, match="add its top-level name"):
+        layer_part("dcp_compile.unlisted")
+
+
+def test_every_module_is_in_a_layer():
+    for module in modules():
+        layer_of(module)
+
+
+def test_serving_is_one_package_not_a_row_of_top_level_files():
+    flat = sorted(path.name for path in PACKAGE.glob("serve_*"))
+    assert not flat, f"serving's modules belong in dcp_compile/serve/: {flat}"
 
 
 def test_no_arrow_runs_back_up_the_layers():
     upward = sorted(
         (a, b) for a, targets in import_graph().items() for b in targets
-        if a.split(".")[:2] != b.split(".")[:2] and layer_of(b) > layer_of(a)
+        if layer_part(a) != layer_part(b) and layer_of(b) > layer_of(a)
     )
     assert not upward, f"imports that run back up the layers (importer, imported): {upward}"
 

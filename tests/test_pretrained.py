@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from dcp_compile import training
+from dcp_compile.commands import training
 from dcp_compile.models.pretrained import load_pair
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from dcp_compile.serve_requests import BadRequest, parse_completion
+from dcp_compile.serve.requests import BadRequest, parse_completion
 from dcp_compile.text import ByteCodec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -20,8 +20,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine, StepEvent, cut_at_stop
-from dcp_compile.serve_engine import serve_in_thread
-from dcp_compile.serve_http import build_app
+from dcp_compile.serve.engine import serve_in_thread
+from dcp_compile.serve.http import build_app
 from dcp_compile.text import ByteCodec, HFCodec
 from tests.support.text import tokenizer_dir
 
@@ -287,7 +287,7 @@ def _burst(window: float, rows: int, arrivals: int) -> tuple[ScriptedEngine, lis
     import asyncio
     import threading
 
-    from dcp_compile.serve_requests import Completion
+    from dcp_compile.serve.requests import Completion
 
     engine = ScriptedEngine(lambda prompt: [65] * 4, vocab=256, stop_ids=frozenset(), per_step=4)
     engine.rows = rows
@@ -330,7 +330,7 @@ def test_the_engine_stops_when_the_http_process_goes_away():
     import threading
     from multiprocessing import Pipe
 
-    from dcp_compile.serve_engine import EngineLoop
+    from dcp_compile.serve.engine import EngineLoop
 
     engine = ScriptedEngine(lambda prompt: [65] * 1000, vocab=256, stop_ids=frozenset(), per_step=1)
     requests_in, requests_out = Pipe(duplex=False)
@@ -354,7 +354,7 @@ def test_a_running_engine_serves_its_pipes_only_while_a_step_runs():
     import threading
     from multiprocessing import Pipe
 
-    from dcp_compile.serve_engine import EngineLoop
+    from dcp_compile.serve.engine import EngineLoop
 
     engine = ScriptedEngine(lambda prompt: list(range(60, 80)), vocab=256, stop_ids=frozenset(), per_step=3)
     trace = []

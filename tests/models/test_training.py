@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dcp_compile import training
+from dcp_compile.commands import training
 from dcp_compile.models import DraftConfig, EagleDraft, LlamaConfig, eagle3_aux_layers
 from dcp_compile.models.llama import init_weights
 from dcp_compile.models.pretrained import load_config, load_pair

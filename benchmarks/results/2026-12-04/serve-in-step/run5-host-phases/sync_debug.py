@@ -4,7 +4,7 @@ each warning printed with the Python stack that raised it."""
 import collections, sys, time, traceback, warnings
 import torch
 import dcp_compile as dcp
-from dcp_compile import loading
+from dcp_compile.commands import loading
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 
 device = torch.device("cuda")

@@ -323,7 +323,7 @@ def measure_acceptance(
     Hugging Face model with its draft: the prompts are the same text through its
     tokenizer)."""
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
     from dcp_compile.runtime.tree import default_draft_tokens
 
     spec = model if isinstance(model, loading.ModelSpec) else loading.resolve(str(model))

@@ -42,7 +42,7 @@ try:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "dcp_compile.export needs Hugging Face transformers 5.x: pip install 'dcp-compile[hf]'"
+        "dcp_compile.commands.export needs Hugging Face transformers 5.x: pip install 'dcp-compile[hf]'"
     ) from error
 
 from dcp_compile.models.eagle import EagleDraft

@@ -1,7 +1,7 @@
 """The loop that drives the engine on rank 0 of ``dcp-compile serve``.
 
 It reads the HTTP process's messages from one pipe and writes its own to another
-(``serve_frontend.Frontend`` is the other end), and does nothing else: no text, no stop
+(``serve.frontend.Frontend`` is the other end), and does nothing else: no text, no stop
 strings, no HTTP.  While the engine runs, both pipes are served from inside each step, once
 the step is launched (``SpecEngine.step``'s ``while_running``): the host would wait for the
 step before it there anyway, so the pipes never delay a launch.  Messages in:
@@ -26,7 +26,7 @@ import time
 from collections import deque
 
 from dcp_compile.runtime.engine import SpecEngine
-from dcp_compile.serve_frontend import Frontend
+from dcp_compile.serve.frontend import Frontend
 
 SLOW_SECONDS = 100e-6
 """A call of the loop's own past which ``/metrics`` counts it as slow (as the engine counts

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from dcp_compile.serve_frontend import STATUS_TIMEOUT_SECONDS, Frontend
-from dcp_compile.serve_requests import Completion, parse_chat, parse_completion
+from dcp_compile.serve.frontend import STATUS_TIMEOUT_SECONDS, Frontend
+from dcp_compile.serve.requests import Completion, parse_chat, parse_completion
 from dcp_compile.text import Codec
 
 
@@ -193,7 +193,7 @@ def run_http(requests, events, limits, args, model_name: str) -> None:
 
     import uvicorn
 
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

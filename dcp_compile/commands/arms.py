@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dcp_compile import gate
+from dcp_compile.commands import gate
 
 DEMO_PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -87,7 +87,7 @@ def _describe_shape(shape: dict) -> str:
 def _decoder(args, group, *, max_batch: int, max_seq_len: int):
     """The models of ``--model`` / ``--draft`` on this rank, in a ``SpecDecoder``."""
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
 
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
                                  dtype=_dtype(args, group.device))
@@ -155,7 +155,7 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
 
 def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
 
     device = _device(args.device)
     group = dcp.init_group(device)
@@ -249,7 +249,7 @@ def _gate_arm(group, args, prompts, talk: bool, label: str) -> tuple[list, list]
 
 def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     import dcp_compile as dcp
-    from dcp_compile import loading, training
+    from dcp_compile.commands import loading, training
 
     device = _device(args.device)
     group = dcp.init_group(device)

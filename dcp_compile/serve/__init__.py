@@ -3,11 +3,11 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (each streamed or not, with
 ``usage`` and ``finish_reason``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-Rank 0 steps the engine in its main thread (``serve_engine``) and starts the HTTP
-process (Starlette on uvicorn, ``serve_http``); the other ranks run the engine's follower
+Rank 0 steps the engine in its main thread (``serve.engine``) and starts the HTTP
+process (Starlette on uvicorn, ``serve.http``); the other ranks run the engine's follower
 loop.  The two processes of rank 0 speak through two pipes: requests and aborts one way,
 each step's token ids the other.  The HTTP process does the rest of a request's host
-work (``serve_frontend``: parsing, text, stop strings, streams), so none of it holds the
+work (``serve.frontend``: parsing, text, stop strings, streams), so none of it holds the
 engine's interpreter between two steps.
 
 The model's codec (``dcp_compile.text``) turns text into token ids and back: a prompt is
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-from dcp_compile.serve_engine import EngineLoop
+from dcp_compile.serve.engine import EngineLoop
 from dcp_compile.text import Codec
 
 
@@ -50,7 +50,7 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
     """This rank's engine over ``--model`` (and ``--draft``), and the model's codec.  Every
     rank builds the same codec, so every engine stops on the same EOS ids."""
     import dcp_compile as dcp
-    from dcp_compile import loading
+    from dcp_compile.commands import loading
 
     spec = loading.resolve(args.model, args.draft)
     codec = loading.codec(spec)
@@ -164,7 +164,7 @@ def _serve_requests(args: argparse.Namespace, engine: SpecEngine, followers: lis
     import multiprocessing
     import signal
 
-    from dcp_compile.serve_http import run_http
+    from dcp_compile.serve.http import run_http
 
     requests_in, requests_out = multiprocessing.Pipe(duplex=False)
     events_in, events_out = multiprocessing.Pipe(duplex=False)

@@ -2,7 +2,7 @@
 token ids back, text to each request's asyncio queue.
 
 The engine process only steps: it reads requests and aborts from one pipe and writes
-each step's token ids to another (``serve_engine``).  Everything else a request costs
+each step's token ids to another (``serve.engine``).  Everything else a request costs
 on the host, turning tokens into text, finding stop strings and the HTTP work, runs
 here, in a process of its own, so none of it holds the engine's interpreter between
 two steps.  A stop string is found one step after its tokens were made, so its row is
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 
 from dcp_compile.runtime.request import RequestLimits
-from dcp_compile.serve_requests import Completion
+from dcp_compile.serve.requests import Completion
 
 _FINISH_REASONS = MappingProxyType({"eos": "stop", "length": "length"})
 STATUS_TIMEOUT_SECONDS = 10.0
