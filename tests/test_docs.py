@@ -1,12 +1,14 @@
-"""The README and the guides in docs/: every relative link resolves, and the README fits a page."""
+"""The README, the guides in docs/ and BENCHMARKS.md: every relative link resolves, and the
+README fits a page."""
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
@@ -19,7 +21,8 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+@functools.cache
+def anchors(path: Path) -> frozenset[str]:
     """Every heading's anchor in a Markdown file; a repeated heading gets ``-1``, ``-2`` ..."""
     seen: dict[str, int] = {}
     found = set()
@@ -29,7 +32,7 @@ def anchors(path: Path) -> set[str]:
             n = seen.get(base, 0)
             seen[base] = n + 1
             found.add(base if n == 0 else f"{base}-{n}")
-    return found
+    return frozenset(found)
 
 
 def broken_links(page: Path) -> list[str]:
