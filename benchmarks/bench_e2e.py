@@ -27,8 +27,8 @@ included); ``--edge`` adds a point past the single-GPU edge, measured by DCP=N a
 Like for like: both arms run the same kernels.  The DCP=N arm is ``dcp.backend(group)``
 over N ranks; the DCP=1 arm is ``dcp.backend(group_of_one, cascade=True)`` on rank 0
 (the same prefix kernel, window and merge, no collective); both arms and the draft
-compile under Inductor's deterministic mode, which DCP groups need (``bench_deterministic.py``
-measures what it costs).  One graph per (batch, T)
+compile under Inductor's deterministic mode, which DCP groups need (it costs 0.7-1.2% of the step:
+BENCHMARKS.md).  One graph per (batch, T)
 serves every context, because the context is only the positions' value: the cache is
 filled with random K/V and each sequence decodes at position ``context``.
 

@@ -63,7 +63,6 @@ SWEEP_POINTS = ((8, 16, 1, 65536), (8, 128, 1, 32768), (8, 16, 4, 65536))
 SWEEP_STAGES = dict(memory=(2, 3, 4), compute=(2, 3))
 """Pipeline depths tried: a memory-bound point (16 rows) wants loads in flight; the
 compute-bound tiles (64 rows of a 512-wide accumulator) leave little shared memory."""
-SPLIT_POINTS = ((8, 128, 1, 8192), (8, 16, 4, 32768), (8, 128, 1, 32768))
 """The seesaw kernel's two points under 400 TFLOP/s (2026-12-03) and one above."""
 SMOKE_POINTS = ((2, 4, 1, 96), (2, 4, 4, 96))
 WINDOW_POINTS = ((4, 16, 1024), (4, 16, 2048), (4, 16, 4096), (1, 128, 1024))
@@ -77,9 +76,6 @@ def parse_args():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the kernel under TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tiles at three points, not the arms")
     parser.add_argument("--window", action="store_true", help="the causal window of a prefill chunk, not the prefix")
-    parser.add_argument("--splits", type=int, nargs="*", metavar="N",
-                        help="the seesaw kernel (Hopper, 64+ rows a sequence) at SPLIT_POINTS under these slice "
-                             "counts, with its merge timed alone, not the arms")
     parser.add_argument("--arms", nargs="*", default=("ours", "einsum", "sdpa", "copy"),
                         help="of ours, ours-fp32 (the seesaw kernel with fp32 partials, where it runs), einsum, "
                              "sdpa, copy")
@@ -302,36 +298,6 @@ def sweep_point(batch, heads, tokens, context, device, timer) -> dict:
                 failed=[r for r in results if "error" in r])
 
 
-def splits_point(batch, heads, tokens, context, device, timer) -> dict:
-    """The seesaw op under each of ``--splits`` slice counts (and its default), and the
-    merge of its per-slice partials alone: how much of the op the merge is."""
-    from dcp_compile.ops.gluon_latent import PARTIALS, _seesaw_outputs, merge_slices, seesaw_grid
-
-    cache_bytes = batch * context * (C + R) * 2
-    gen = torch.Generator(device=device).manual_seed(context + heads)
-    copies = max(1, math.ceil(COLD_BYTES / cache_bytes))
-    q, caches = make_inputs(batch, heads, tokens, context, device, copies, gen)
-    kv_len = torch.full((batch,), context, device=device, dtype=torch.int64)
-    default = seesaw_grid(q, caches[0][0])[1]
-    op = torch.ops.dcp.latent_prefix_attention_gluon
-    results = []
-    for n in sorted({default, *ARGS.splits}):
-        calls = [lambda lat=lat, pe=pe, n=n: op(q, lat, pe, kv_len, 0.07, n) for lat, pe in caches]
-        run, _ = timer.prepare(calls)
-        ms = timer.measure(run, len(calls)) * 1e3
-        partials = _seesaw_outputs(q, n, PARTIALS[0])
-        merge = [lambda: merge_slices(*partials)]
-        run, _ = timer.prepare(merge)
-        merge_ms = timer.measure(run, 1) * 1e3 if n > 1 else 0.0
-        results.append(dict(splits=n, default=n == default, ms=ms, merge_ms=merge_ms,
-                            tflops=flops(batch, heads, tokens, context) / ms / 1e9))
-        print(f"  B={batch} H={heads} T={tokens} S={context} splits={n}{' (default)' if n == default else ''}: "
-              f"{ms:.4f} ms, {results[-1]['tflops']:.0f} TFLOP/s; the merge alone {merge_ms:.4f} ms", flush=True)
-    del caches
-    torch.cuda.empty_cache()
-    return dict(batch=batch, heads=heads, t=tokens, context=context, results=results)
-
-
 def table(points) -> str:
     head = ("| B | H | T | context | cache GB | ours ms | ours TB/s | ours % copy | ours TFLOP/s | einsum ms "
             "| einsum TB/s | einsum TFLOP/s | ours / einsum speed | SDPA ms | copy TB/s |")
@@ -394,11 +360,6 @@ def main() -> int:
                   f"| {w['arms']['all_equal']['ms']:.3f} | {w['in_order_over_all_equal']:.2f} |", flush=True)
         env["seconds"] = round(time.monotonic() - started, 1)
         Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, windows=windows), indent=1))
-        return 0
-    if ARGS.splits is not None:
-        splits = [splits_point(*p, device, timer) for p in SPLIT_POINTS]
-        env["seconds"] = round(time.monotonic() - started, 1)
-        Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, splits=splits), indent=1))
         return 0
     if ARGS.sweep:
         points = SMOKE_POINTS[:1] if ARGS.smoke else SWEEP_POINTS

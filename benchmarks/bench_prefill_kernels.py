@@ -9,11 +9,7 @@ Two sweeps:
 - **window**: causal attention of a chunk of ``T`` new tokens over themselves
   (``T`` in 512..4096, ``B`` in 1, 8).  Arms: ``ours`` (``torch.ops.dcp.window_attention``
   on CUDA: the flash kernel, out fp32 and lse), ``sdpa`` (``F.scaled_dot_product_attention
-  (..., is_causal=True, enable_gqa=True)`` on the FLASH backend, no lse) and
-  ``aten_flash`` (``aten._scaled_dot_product_flash_attention``, which also returns the
-  logsumexp).  Its lse is compared with ours and with float32 references at ``scale``
-  and ``scale**2`` (torch 2.11's FLASH lse was reported double-scaled), and the verdict
-  is printed.
+  (..., is_causal=True, enable_gqa=True)`` on the FLASH backend, no lse).
 - **prefix**: a chunk of ``T`` tokens over a local cache of ``S`` slots, all live
   (``S`` in 8K, 32K, 64K).  Arms: ``ours`` (``torch.ops.dcp.prefix_attention``, which
   sends ``T > 16`` to the flash kernel), ``sdpa`` (non-causal SDPA over the same keys,
@@ -38,10 +34,11 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from _report import Timer, kilo, short_error, timed_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_TOKENS = (512, 1024, 2048, 4096)
@@ -66,7 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=int, nargs="*", default=BATCHES)
     parser.add_argument("--prefix-tokens", type=int, nargs="*", default=PREFIX_TOKENS)
     parser.add_argument("--contexts", type=int, nargs="*", default=CONTEXTS)
-    parser.add_argument("--arms", nargs="*", default=("ours", "sdpa", "aten_flash", "sdpa_mask"))
+    parser.add_argument("--arms", nargs="*", default=("ours", "sdpa", "sdpa_mask"))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
@@ -75,11 +72,6 @@ def parse_args(argv=None):
         for key in ("window_tokens", "batches", "prefix_tokens", "contexts", "reps", "warmup", "rounds"):
             setattr(args, key, SMALL[key])
     return args
-
-
-def short_error(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
-    return f"{type(exc).__name__}: {lines[0][:240]}"
 
 
 class Bench:
@@ -99,79 +91,31 @@ class Bench:
         self.args = args
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
+        self.timer = Timer(self.device, args.reps, args.warmup)
         self.cfg = dict(hq=SMALL["hq"], hkv=SMALL["hkv"], d=SMALL["d"]) if args.small else dict(LLAMA3_8B)
         # On CPU the registered ops are the torch reference: call the kernels directly.
         self.window_op = torch.ops.dcp.window_attention if self.cuda else window_flash_triton
         self.prefix_op = torch.ops.dcp.prefix_attention if self.cuda else prefix_flash_triton
 
     # -- timing ---------------------------------------------------------------------
-    def prepare(self, call, flops: float):
-        """``(run, calls per run, method)``: ``call`` repeated in one CUDA graph where it can."""
-        torch = self.torch
-        call()  # compiles, allocates
-        if not self.cuda:
-            return call, 1, "perf_counter"
-        n = max(1, min(50, math.ceil(GRAPH_SECONDS / (flops / (ASSUMED_TFLOPS * 1e12)))))
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                for _ in range(n):
-                    call()
-            return graph.replay, n, "cuda-graph"
-        except Exception as exc:  # noqa: BLE001 - eager launches instead, and say so
-            torch.cuda.synchronize()
-
-            def eager():
-                for _ in range(n):
-                    call()
-
-            return eager, n, f"eager ({type(exc).__name__})"
-
-    def seconds(self, run, calls: int) -> float:
-        torch = self.torch
-        for _ in range(self.args.warmup):
-            run()
-        samples = []
-        for _ in range(self.args.reps):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                run()
-                samples.append(time.perf_counter() - t0)
-        return statistics.median(samples) / calls
-
     def time_arms(self, arms: dict, flops: float, row: dict) -> None:
-        """Prepare every arm, then time them in interleaved rounds; results go into ``row``."""
+        """Prepare every arm (its call repeated in one CUDA graph of about ``GRAPH_SECONDS``
+        where it can), then time them in interleaved rounds; results go into ``row``."""
+        n = max(1, min(50, math.ceil(GRAPH_SECONDS / (flops / (ASSUMED_TFLOPS * 1e12))))) if self.cuda else 1
         prepared = {}
         for name, make in arms.items():
             if name not in self.args.arms:
                 continue
             try:
-                prepared[name] = self.prepare(make(), flops)
+                run, method = self.timer.prepare([make()] * n)
+                prepared[name] = (run, n, method)
             except Exception as exc:  # noqa: BLE001 - one failing arm must not stop the sweep
                 row["arms"][name] = dict(error=short_error(exc))
                 if self.cuda:
                     self.torch.cuda.synchronize()
-        rounds = {name: [] for name in prepared}
-        for _ in range(self.args.rounds):
-            for name, (run, calls, _method) in prepared.items():
-                rounds[name].append(self.seconds(run, calls))
-        for name, (_run, _calls, method) in prepared.items():
-            s = statistics.median(rounds[name])
-            row["arms"][name] = dict(ms=s * 1e3, tflops=flops / s / 1e12, method=method,
-                                     round_ms=[r * 1e3 for r in rounds[name]])
+        for name, (seconds, rounds) in timed_rounds(prepared, self.timer, self.args.rounds).items():
+            row["arms"][name] = dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12, method=prepared[name][2],
+                                     round_ms=[r * 1e3 for r in rounds])
         base = row["arms"].get("sdpa", {}).get("ms")
         for arm in row["arms"].values():
             if base and "ms" in arm:
@@ -187,11 +131,6 @@ class Bench:
             return self.F.scaled_dot_product_attention(*args, **kwargs)
         with self.sdpa_kernel(self.backend.FLASH_ATTENTION):
             return self.F.scaled_dot_product_attention(*args, **kwargs)
-
-    def aten_flash(self, q, k, v, causal, scale):
-        if not self.cuda:
-            raise RuntimeError("skipped: aten._scaled_dot_product_flash_attention is CUDA only")
-        return self.torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
 
     # -- correctness ------------------------------------------------------------------
     def check(self) -> bool:
@@ -240,45 +179,15 @@ class Bench:
         scale = d**-0.5
         flops = 4 * batch * hq * tokens * tokens * d / 2
         row = dict(form="window", batch=batch, t=tokens, s=tokens, causal=True, flops=flops, arms={})
-        ours_out, ours_lse = self.window_op(q, k, v, positions, scale)
+        ours_out, _ = self.window_op(q, k, v, positions, scale)
         ref = self.sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         row["ours_vs_sdpa_max_abs"] = (ours_out - ref.float()).abs().max().item()
         arms = {
             "ours": lambda: lambda: self.window_op(q, k, v, positions, scale),
             "sdpa": lambda: lambda: self.sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
-            "aten_flash": lambda: self._aten_arm(q, k, v, True, scale, ours_lse, row),
         }
         self.time_arms(arms, flops, row)
         return row
-
-    def _aten_arm(self, q, k, v, causal, scale, ours_lse, row):
-        """The aten flash call (GQA K/V as they are, repeated to Hq heads if it refuses),
-        after recording how its lse compares with ours."""
-        try:
-            result = self.aten_flash(q, k, v, causal, scale)
-        except RuntimeError as exc:
-            if "skipped" in str(exc):
-                raise
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            result = self.aten_flash(q, k, v, causal, scale)
-            row["aten_flash_kv"] = "repeated to Hq heads (untimed)"
-        row["aten_lse"] = self.lse_report(q, k, result[1], ours_lse, causal, scale)
-        return lambda: self.aten_flash(q, k, v, causal, scale)
-
-    def lse_report(self, q, k, lse, ours, causal, scale) -> dict:
-        """aten's lse against ours, and which fp32 reference of one head it is closest to."""
-        torch = self.torch
-        T = q.shape[2]
-        lse = lse[..., :T].float()
-        scores = q[0, 0].float() @ k[0, 0].float().T  # head 0 of sequence 0; query head 0 reads KV head 0
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        refs = dict(natural=torch.logsumexp(scores * scale, -1), scale_squared=torch.logsumexp(scores * scale**2, -1))
-        refs["base2"] = refs["natural"] / math.log(2)
-        dist = {name: (lse[0, 0] - ref).abs().max().item() for name, ref in refs.items()}
-        return dict(shape=list(lse.shape), max_abs_vs_ours=(lse - ours).abs().max().item(),
-                    max_abs_vs_reference=dist, closest=min(dist, key=dist.get))
 
     def prefix_row(self, batch: int, tokens: int, context: int) -> dict:
         torch = self.torch
@@ -311,12 +220,8 @@ class Bench:
         return row
 
 
-def kilo(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def table(rows) -> str:
-    names = ("ours", "sdpa", "aten_flash", "sdpa_mask")
+    names = ("ours", "sdpa", "sdpa_mask")
     head = "| form | B | T | S | " + " | ".join(f"{n} ms | {n} TFLOP/s" for n in names) + " | ours x SDPA |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -326,8 +231,7 @@ def table(rows) -> str:
             if "ms" in arm:
                 cells += [f"{arm['ms']:.3f}", f"{arm['tflops']:.0f}"]
             else:
-                failed = "error" in arm and "skipped" not in arm["error"]
-                cells += ["fail" if failed else "-", "-"]
+                cells += ["fail" if "error" in arm else "-", "-"]
         ratio = r["arms"].get("ours", {}).get("x_sdpa")
         ratio = f"{ratio:.2f}" if ratio else "-"
         lines.append(f"| {r['form']} | {r['batch']} | {r['t']} | {kilo(r['s'])} | " + " | ".join(cells)
@@ -390,8 +294,6 @@ def main(argv=None) -> int:
         summary = ", ".join(f"{n} {a['ms']:.3f} ms {a['tflops']:.0f} TFLOP/s" if "ms" in a else f"{n} {a['error']}"
                             for n, a in row["arms"].items()) or row.get("error", "")
         print(f"{form} B={batch} T={tokens} S={context}: {summary}  [{time.monotonic() - started:.0f}s]", flush=True)
-        if "aten_lse" in row:
-            print(f"  aten flash lse vs ours: {row['aten_lse']}", flush=True)
         if bench.cuda:
             torch.cuda.empty_cache()
     print()

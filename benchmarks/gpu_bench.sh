@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The 2-GPU benchmarks in one device call, each phase under its own timeout and watchdog.
+# The GPU benchmarks and checks in one device call, each phase under its own timeout (and watchdog).
 # Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_bench.sh merge graphs      # per-layer merge; captured speculative loop
+#   bash benchmarks/gpu_bench.sh parity suite      # bf16 DCP parity over NCCL (Triton kernels in the Inductor
+#                      # output); the CPU test suite without the full-Inductor tests, on this machine's torch
+#   bash benchmarks/gpu_bench.sh merge             # per-layer merge: all-gather against all-to-all
 #   bash benchmarks/gpu_bench.sh e2e               # 8B-shaped decode step, DCP=2 vs DCP=1
 #     (the DCP=N arm over all GPUs first, then the one-GPU arm's points spread over the
 #      GPUs, one process per GPU side by side, so the 32-layer compiles overlap)
 #   NPROC=4 bash benchmarks/gpu_bench.sh gate merge  # any group size: the speculative gate, the merge sweep
-#   bash benchmarks/gpu_bench.sh kernel deterministic demo  # one GPU: kernel sweep, deterministic mode's cost,
-#                                                          # the demo on CUDA (--dcp $NPROC)
+#     (GATE_ARGS=--cuda-graphs: the gate with the decoders' steps captured, collectives inside)
+#   bash benchmarks/gpu_bench.sh kernel demo       # one GPU: kernel sweep; the demo on CUDA (--dcp $NPROC)
 #   bash benchmarks/gpu_bench.sh gputests prefillkernels draft prefill  # long prompts: kernel tests on the GPU,
 #                      # flash kernels against SDPA, the draft's share, chunked DCP prefill against one GPU's flash
 #   bash benchmarks/gpu_bench.sh long              # 8 x 131072-token prompts prefilled and decoded at DCP=2
@@ -81,15 +83,15 @@ demo_compile_times() {  # seconds: the demo three times, each with its own compi
 
 for what in "$@"; do
   case $what in
+    parity) single parity "${PARITY_SECONDS:-420}" python3 -m torch.distributed.run --nproc-per-node "$NPROC" \
+              benchmarks/gpu_parity.py --json "$OUT/parity.json" ;;
+    suite)  single suite "${SUITE_SECONDS:-150}" python3 -m pytest -q -x -m "not inductor" -p no:cacheprovider tests ;;
     merge)  phase merge "${MERGE_SECONDS:-240}" benchmarks/bench_merge.py --out "$OUT/merge.json" ;;
-    graphs) phase graphs "${GRAPHS_SECONDS:-300}" benchmarks/gpu_cuda_graphs.py --json "$OUT/graphs.json" ;;
     e2e)    phase e2e "${E2E_SECONDS:-300}" benchmarks/bench_e2e.py --arms dcp --out "$OUT/e2e_dcp.json" ${E2E_ARGS:-}
             one_gpu_arms "${E2E_ONE_SECONDS:-240}" ;;
     kernel) single kernel "${KERNEL_SECONDS:-240}" python3 benchmarks/bench_kernel.py --out "$OUT/kernel.json" ;;
-    deterministic) single deterministic "${DETERMINISTIC_SECONDS:-200}" python3 benchmarks/bench_deterministic.py \
-              --out "$OUT/deterministic.json" --watchdog $((${DETERMINISTIC_SECONDS:-200} - 15)) ;;
     demo)   single demo "${DEMO_SECONDS:-150}" python3 -m dcp_compile.cli demo --device cuda --dcp "$NPROC" ;;
-    gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ;;
+    gate)   phase gate "${GATE_SECONDS:-400}" benchmarks/gpu_spec_gate.py --json "$OUT/gate.json" ${GATE_ARGS:-} ;;
     gputests) single gputests "${GPUTESTS_SECONDS:-240}" python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider ;;
     prefillkernels) single prefillkernels "${PREFILLKERNELS_SECONDS:-200}" python3 benchmarks/bench_prefill_kernels.py \
               --json "$OUT/prefill_kernels.json" ;;
@@ -115,7 +117,7 @@ for what in "$@"; do
     mlae2e) phase mlae2e "${MLAE2E_SECONDS:-480}" benchmarks/bench_e2e.py --model v2lite --regional \
               --contexts 32768,65536,131072,262144,524288 --batches 8,32 --verify-batches 8,32 --edge 32:262144 \
               --out "$OUT/mla_e2e.json" ${MLAE2E_ARGS:-} ;;
-    *) echo "unknown phase $what (merge, graphs, e2e, gate, kernel, deterministic, demo, gputests, prefillkernels,"\
+    *) echo "unknown phase $what (parity, suite, merge, e2e, gate, kernel, demo, gputests, prefillkernels,"\
             "draft, prefill, long, specloop, compile, gatebf16, gatesampled, mlasweep, mlakernel, mlagate, mlae2e)"
        exit 2 ;;
   esac

@@ -38,7 +38,7 @@ one H100 (2026-12-05, ``benchmarks/results/2026-12-05/mla-fp16-partials``): the 
 H=128, T=1, 8K and 413 against 401 at H=16, T=4, 32K.
 
 Measured through the registered op with fp32 partials on one H200 (CUDA-graph replays,
-2026-12-03, ``benchmarks/exp_latent_gluon.py --graph``, log in
+2026-12-03, ``benchmarks/exp_latent_gluon.py --graph`` at commit ``376e649``, log in
 ``benchmarks/results/2026-12-03/mla-gluon``): 514 TFLOP/s at B=8, H=128, T=1, 32K (split-KV
 kernel 269, DeepSeek's einsum form 131), 547 at B=32, 391 at 8K, 400 at H=16, T=4 and 574
 at H=16, T=16.

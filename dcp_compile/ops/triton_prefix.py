@@ -92,7 +92,7 @@ each K/V block is then loaded once for twice the rows.  On the H200 at Hq=32, Hk
 S=64K it ran 1.36-1.71x faster than 64-row blocks at every batch (1-8) and width (24-128
 tokens).  It keeps the ``NUM_STAGES`` of the narrow tile: Q (32 KB at bf16 D=128) and three
 stages fill 224 KB of the SM, and at batch 1 and 8, 32 and 64 tokens three stages ran
-1.28-1.33x faster than two (``benchmarks/exp_prefix_variants.py``).
+1.28-1.33x faster than two (``benchmarks/exp_prefix_variants.py`` at commit ``b3ec759``).
 Only for head rows of at most ``WIDE_ROW_BYTES``; more rows are split over row blocks,
 each rereading K/V (from L2 in practice)."""
 WIDE_ROW_BYTES = 256
