@@ -220,7 +220,7 @@ class Backend:
         if self.group.size > 1 or staged:
             group_name = self.group.group_name if self.group.size > 1 else None
             return target_passes(records[0].layout, group_name, self._staging_first_slot(plan, records), self.comm,
-                                 ancestors)
+                                 ancestors, heads_split=self.group.heads_split)
         if self.cascade:
             return target_passes(records[0].layout, None)
         return []
@@ -275,7 +275,7 @@ class Backend:
         if self.lowering == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            with rank_identical_kernels(self.group.size), lowering_kernels(self.kernels), cacheable_helpers(gm):
+            with rank_identical_kernels(self.group.replica_size), lowering_kernels(self.kernels), cacheable_helpers(gm):
                 return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 

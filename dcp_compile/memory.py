@@ -5,7 +5,9 @@ numbers, rather than failing later with an out-of-memory error at the first long
 
 Per rank the plan counts
 
-- the target weights (every rank holds all of them);
+- the target weights: all of them, or under tensor parallelism of T ranks (``tp_size``)
+  1/T of the attention and MLP projections beside the whole embedding, norms, LM head
+  and MLA latent projection;
 - the target KV cache: ``layers * 2 * H_kv * D * bytes * B * slots``, where ``slots`` is
   ``S_loc + 1 + verify_tokens`` when sharded (``S_loc`` local positions, the trash slot,
   the verify staging slots: ``k + 1`` for a chain of ``k``, ``draft_tokens + 1`` for a
@@ -50,18 +52,25 @@ def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens
     return KVLayout.capacity_of(max_seq_len, dcp_size, interleave) + 1 + verify_tokens
 
 
-def cache_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    """Target KV-cache bytes per token over all layers: keys and values per KV head for a
-    ``LlamaConfig``; for an ``MLAConfig`` one shared latent and rope key per token, no
-    heads (``(kv_lora_rank + qk_rope_head_dim)`` numbers per layer)."""
+def cache_bytes_per_token(cfg, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Target KV-cache bytes per token over all layers on one rank: keys and values per KV
+    head for a ``LlamaConfig`` (``H_kv / T`` heads under TP, at least one); for an
+    ``MLAConfig`` one shared latent and rope key per token, no heads (``(kv_lora_rank +
+    qk_rope_head_dim)`` numbers per layer, whole on every TP rank)."""
     if hasattr(cfg, "kv_lora_rank"):
         return cfg.n_layers * cfg.cache_width * dtype.itemsize
-    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+    return cfg.n_layers * 2 * max(cfg.n_kv_heads // tp_size, 1) * cfg.head_dim * dtype.itemsize
 
 
-def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
+def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = (), tp_size: int = 1) -> int:
+    """Bytes of the module's parameters on one rank; ``tp_size > 1``: of its shard, as
+    ``dcp.tensor_parallel`` lays it out (on meta: nothing is allocated)."""
     with torch.device("meta"):
         module = module_factory()
+    if tp_size > 1:
+        from dcp_compile.models.parallel import shard_in_place
+
+        shard_in_place(module, tp_size, tp_rank=0)
     return sum(p.numel() for name, p in module.named_parameters() if not name.startswith(skip)) * dtype.itemsize
 
 
@@ -77,6 +86,7 @@ class MemoryPlan:
     draft_bytes: int
     reserve_bytes: int
     budget_bytes: int
+    tp_size: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -87,8 +97,9 @@ class MemoryPlan:
         return self.total_bytes <= self.budget_bytes
 
     def describe(self) -> str:
+        tp = f"TP size {self.tp_size}, " if self.tp_size > 1 else ""
         return (
-            f"DCP size {self.dcp_size}, {self.max_batch} x {self.max_seq_len} tokens: target KV "
+            f"{tp}DCP size {self.dcp_size}, {self.max_batch} x {self.max_seq_len} tokens: target KV "
             f"{self.target_kv_bytes / GiB:.1f} GiB + weights {self.weight_bytes / GiB:.1f} GiB + draft "
             f"{self.draft_bytes / GiB:.2f} GiB + reserve {self.reserve_bytes / GiB:.1f} GiB = "
             f"{self.total_bytes / GiB:.1f} GiB per rank, budget {self.budget_bytes / GiB:.1f} GiB"
@@ -115,6 +126,9 @@ class MemoryPlanner:
     group of one too."""
     draft_tree_slots: int = 0
     """The draft's tree slots past its cache (``TreeShape.tree_slots``): 0 for a chain."""
+    tp_size: int = 1
+    """T: the target is tensor-parallel over T ranks (``dcp.tensor_parallel``); the DCP
+    size of each plan then divides T."""
 
     @cached_property
     def _weight_bytes(self) -> tuple[int, int]:
@@ -122,7 +136,7 @@ class MemoryPlanner:
         from dcp_compile.models.mla import MLAConfig, MLATransformer
 
         model = MLATransformer if isinstance(self.target, MLAConfig) else Llama
-        target = _param_bytes(lambda: model(self.target), self.dtype)
+        target = _param_bytes(lambda: model(self.target), self.dtype, tp_size=self.tp_size)
         draft = 0 if self.draft is None else _param_bytes(lambda: EagleDraft(self.draft), self.dtype, skip=("embed.",))
         return target, draft
 
@@ -131,7 +145,10 @@ class MemoryPlanner:
         for name, value in (("dcp_size", dcp_size), ("max_batch", max_batch), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        per_slot = cache_bytes_per_token(cfg, self.dtype)
+        if self.tp_size > 1 and self.tp_size % dcp_size:
+            raise ValueError(f"DCP size {dcp_size} does not divide TP size {self.tp_size}: DCP groups are blocks of "
+                             f"D ranks inside the TP group")
+        per_slot = cache_bytes_per_token(cfg, self.dtype, self.tp_size)
         slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens, self.tree)
         target_weights, draft_bytes = self._weight_bytes
         if self.draft is not None:
@@ -143,7 +160,7 @@ class MemoryPlanner:
         step = self.step_tokens or max(self.verify_tokens, 1)
         return MemoryPlan(
             dcp_size=dcp_size, max_batch=max_batch, max_seq_len=max_seq_len,
-            weight_bytes=target_weights,
+            weight_bytes=target_weights, tp_size=self.tp_size,
             target_kv_bytes=per_slot * max_batch * slots,
             draft_bytes=draft_bytes,
             reserve_bytes=BASE_RESERVE_BYTES + LOGIT_COPIES * 4 * max_batch * step * cfg.vocab_size,
@@ -151,7 +168,8 @@ class MemoryPlanner:
         )
 
     def smallest_dcp_size(self, max_batch: int, max_seq_len: int, largest: int = 64) -> int | None:
-        return next((n for n in range(1, largest + 1) if self.plan(n, max_batch, max_seq_len).fits), None)
+        sizes = [n for n in range(1, largest + 1) if self.tp_size == 1 or self.tp_size % n == 0]
+        return next((n for n in sizes if self.plan(n, max_batch, max_seq_len).fits), None)
 
     def largest_batch(self, dcp_size: int, max_seq_len: int) -> int:
         return _largest(lambda b: self.plan(dcp_size, b, max_seq_len).fits)
@@ -214,6 +232,7 @@ def plan_memory(
     step_tokens: int | None = None,
     tree: bool = False,
     draft_tree_slots: int = 0,
+    tp_size: int = 1,
 ) -> MemoryPlan:
     """One rank's memory for ``target`` (a ``LlamaConfig``) at ``dcp_size``; the budget is
     ``budget_bytes`` or the total memory of the CUDA ``device``.  ``.fits`` says whether it
@@ -223,7 +242,7 @@ def plan_memory(
             raise ValueError("plan_memory needs device= (a CUDA device) or budget_bytes=")
         budget_bytes = device_budget(device)
     planner = MemoryPlanner(target, budget_bytes, dtype, draft, verify_tokens, interleave, step_tokens, tree,
-                            draft_tree_slots)
+                            draft_tree_slots, tp_size)
     return planner.plan(dcp_size, max_batch, max_seq_len)
 
 

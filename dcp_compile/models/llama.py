@@ -173,6 +173,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(in_features, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.n_local_heads, self.n_local_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        """The heads this rank holds: all of them, until ``tensor_parallel`` shards the layer."""
         self.cache_shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_seq_len, hd)
         self.cache_dtype = dtype
         # Allocated by the owning model once its weights are on their device (see
@@ -189,9 +191,9 @@ class Attention(nn.Module):
         """Rotated queries and keys, and values, of the new tokens: ``[B, T, H, D]`` each."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
-        v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q = apply_rope(self.wq(x).view(B, T, self.n_local_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, self.n_local_kv_heads, cfg.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, self.n_local_kv_heads, cfg.head_dim)
         return q, k, v
 
     def forward_uncached(self, x, cos, sin):
@@ -212,7 +214,7 @@ class Attention(nn.Module):
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
         q = q.transpose(1, 2)
         keys, values = self.k_cache, self.v_cache
-        group = cfg.n_heads // cfg.n_kv_heads
+        group = self.n_local_heads // self.n_local_kv_heads
         if cfg.gqa == "enable_gqa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:

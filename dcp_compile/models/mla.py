@@ -137,6 +137,8 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(H * cfg.v_head_dim, cfg.dim, bias=False)
+        self.n_local_heads = H
+        """The query heads this rank holds: all of them, until ``tensor_parallel`` shards the layer."""
         self.softmax_scale = 1.0 / math.sqrt(cfg.qk_head_dim)
         self.cache_dtype = dtype
         self.register_buffer("kv_cache", None, persistent=False)
@@ -152,7 +154,7 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if cfg.q_lora_rank else self.wq(x)
-        q_nope, q_pe = q.view(B, T, cfg.n_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        q_nope, q_pe = q.view(B, T, self.n_local_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         return q_nope, apply_rope(q_pe, cos, sin)
 
     def _latents(self, x, cos, sin):
@@ -161,7 +163,7 @@ class MLAttention(nn.Module):
 
     def _up_projections(self):
         cfg = self.cfg
-        wkv_b = self.wkv_b.weight.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        wkv_b = self.wkv_b.weight.view(self.n_local_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return wkv_b[:, : cfg.qk_nope_head_dim], wkv_b[:, cfg.qk_nope_head_dim :]  # W_uk, W_uv: [H, nope | v, C]
 
     def forward(self, x, positions, cos, sin):
@@ -199,7 +201,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._up_projections()
         k_nope = torch.einsum("btc,hdc->bthd", c_kv, w_uk)
         v = torch.einsum("btc,hdc->bthd", c_kv, w_uv)
-        k = torch.cat([k_nope, k_pe[:, :, None].expand(B, T, cfg.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(B, T, self.n_local_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              scale=self.softmax_scale)

@@ -15,7 +15,8 @@
   (``prefix_starts``), which the length-bounded attention ops take;
 - the collective's payload and the exact merge of the ranks' partials with the window
   (``pack_partial``, ``merge_gathered``; ``split_heads``, ``merge_exchanged`` and
-  ``join_heads`` for the all-to-all form).
+  ``join_heads`` for the all-to-all form; under TP, ``join_heads`` of the peers' queries,
+  then ``own_heads_of_gathered`` or the all-to-all, and ``merge_own_heads``).
 """
 
 from __future__ import annotations
@@ -195,6 +196,21 @@ def merge_exchanged(
     own = slice(rank * heads, (rank + 1) * heads)
     out = merge_with_window(exchanged[..., :-1], exchanged[..., -1], window_out[:, own], window_lse[:, own])
     return out.to(dtype).contiguous()
+
+
+def own_heads_of_gathered(gathered: torch.Tensor, *, size: int, rank: int) -> torch.Tensor:
+    """``[size * B, size * H, T, D+1]`` (every peer's partials over its shard, for every
+    peer's heads) -> ``[size, B, H, T, D+1]``: this rank's head block from each peer."""
+    _, heads, T, W = gathered.shape
+    return gathered.view(size, -1, size, heads // size, T, W)[:, :, rank]
+
+
+def merge_own_heads(
+    partials: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """Under TP, where the window holds this rank's heads alone: merge every peer's prefix
+    of those heads (``[size, B, H, T, D+1]``, rank order) with the window; ``[B, H, T, D]``."""
+    return merge_with_window(partials[..., :-1], partials[..., -1], window_out, window_lse).to(dtype)
 
 
 def join_heads(gathered: torch.Tensor, *, size: int) -> torch.Tensor:

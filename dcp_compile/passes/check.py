@@ -25,7 +25,9 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule
 
-from dcp_compile.ops.cascade import cache_BHSD, local_slots, merge_exchanged, merge_gathered, staging_slots
+from dcp_compile.ops.cascade import (
+    cache_BHSD, local_slots, merge_exchanged, merge_gathered, merge_own_heads, staging_slots,
+)
 from dcp_compile.passes.find import Plan
 from dcp_compile.passes.fx_utils import where
 from dcp_compile.passes.kv_index import positions_node
@@ -44,10 +46,14 @@ def _require(ok: bool, message: str) -> None:
 
 
 def is_collective(node) -> bool:
+    """A collective op: the passes' own (overloads), or one the model traced (Dynamo
+    records a functional collective such as a TP all-reduce by its overload packet)."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
-        target.namespace in COLLECTIVE_NAMESPACES
-    )
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in COLLECTIVE_NAMESPACES
+    return target._qualified_op_name.split("::")[0] in COLLECTIVE_NAMESPACES
 
 
 def count_collectives(gm: GraphModule) -> int:
@@ -58,13 +64,19 @@ def count_targets(gm: GraphModule) -> Counter:
     return Counter(node.target for node in gm.graph.nodes if node.op == "call_function")
 
 
-def check_target(gm: GraphModule, plan: Plan, comm: str = "ag", size: int = 2) -> GraphModule:
-    """``size == 1``: the single-GPU cascade, with no collective at all."""
+def check_target(gm: GraphModule, plan: Plan, comm: str = "ag", size: int = 2, heads_split: bool = False) -> GraphModule:
+    """``size == 1``: the single-GPU cascade, with no collective at all.  ``heads_split``
+    (inside TP): each site also all-gathers the peers' queries, and merges its own heads."""
     counts = count_targets(gm)
     sites = len(plan.sites)
-    merge = merge_exchanged if comm == "a2a" and size > 1 else merge_gathered
+    gathers_query = heads_split and size > 1
+    if gathers_query:
+        merge = merge_own_heads
+    else:
+        merge = merge_exchanged if comm == "a2a" and size > 1 else merge_gathered
     _require(counts[merge] == sites, f"expected {sites} merges, found {counts[merge]}")
-    expected_ag = sites if size > 1 else 0
+    partial_ag = 0 if size == 1 or (gathers_query and comm == "a2a") else 1
+    expected_ag = sites * (partial_ag + gathers_query) if size > 1 else 0
     _require(counts[ALL_GATHER] == expected_ag, f"expected {expected_ag} all-gathers, found {counts[ALL_GATHER]}")
     expected_a2a = sites if comm == "a2a" and size > 1 else 0
     _require(counts[ALL_TO_ALL] == expected_a2a, f"expected {expected_a2a} all-to-alls, found {counts[ALL_TO_ALL]}")

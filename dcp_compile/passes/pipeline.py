@@ -31,20 +31,22 @@ class PassTiming:
 
 def target_passes(
     layout: KVLayout, group_name: str | None, staging_first_slot: int | None = None, comm: str = "ag",
-    ancestors: Node | None = None,
+    ancestors: Node | None = None, heads_split: bool = False,
 ) -> list[Pass]:
     """``staging_first_slot``: set for verify graphs, whose KV writes wait for a commit.
     ``comm``: how partials meet (``shard_attention.COMMS``).  ``ancestors``: the graph's
     tree mask node (``ops.tree_mask``), for every window.  A layout of size 1 is the
     single-GPU cascade: attention becomes prefix + window + merge with no collective,
     and the writes stay where they are (every position is this rank's) unless they wait
-    in staging (a tree verify: its siblings share positions)."""
+    in staging (a tree verify: its siblings share positions).  ``heads_split``: the DCP
+    peers hold different query heads (TP), so each site gathers their queries."""
     writes = [] if layout.size == 1 and staging_first_slot is None else [
         functools.partial(shard_kv_writes, layout=layout, staging_first_slot=staging_first_slot)
     ]
     return writes + [
-        functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm, ancestors=ancestors),
-        functools.partial(check_target, comm=comm, size=layout.size),
+        functools.partial(shard_attention, layout=layout, group_name=group_name, comm=comm, ancestors=ancestors,
+                          heads_split=heads_split),
+        functools.partial(check_target, comm=comm, size=layout.size, heads_split=heads_split),
     ]
 
 

@@ -27,6 +27,16 @@ proves, ``MaskProof.key_lower_bounds``) keeps the length-bounded kernels: the pr
 reads local slots ``[prefix_starts(lower), kv_len)``, the window the new keys at
 positions ``>= lower``.  The window is merged once, after the gather, so it counts once.
 
+Inside tensor parallelism (``heads_split``) the DCP peers hold the same KV heads and
+different query heads, so each site runs
+
+    q_group  = all_gather(q of the D peers' heads)      # overlapped with the window
+    prefix_r = prefix_attention(q_group, local cache slots)
+    mine     = all_to_all([out | lse] by head block)    # comm="a2a"; "ag": all-gather, keep mine
+    out      = merge(rank 0 .. N-1 prefixes of my heads, window of my heads)
+
+and the exchange's volume does not grow with the context.
+
 Never: leaves a site unreplaced, or keeps a read of a full cache buffer alive (the
 view chains feeding the old attention are erased once orphaned).
 """
@@ -43,8 +53,9 @@ import dcp_compile.ops.attention  # noqa: F401  (registers the dcp:: ops)
 from dcp_compile.layout import KVLayout
 from dcp_compile.ops.attention import attention_with_lse
 from dcp_compile.ops.cascade import (
-    BHSD_as_cache, cache_BHSD, join_heads, key_lower_bound, latent_query, merge_exchanged, merge_gathered, pack_partial,
-    prefix_allowed, prefix_lengths, prefix_starts, split_heads, window_allowed, window_kv, window_positions,
+    BHSD_as_cache, cache_BHSD, join_heads, key_lower_bound, latent_query, merge_exchanged, merge_gathered, merge_own_heads,
+    own_heads_of_gathered, pack_partial, prefix_allowed, prefix_lengths, prefix_starts, split_heads, window_allowed,
+    window_kv, window_positions,
 )
 from dcp_compile.passes.find import AttentionSite, ExpandedKV, KVWrite, Plan
 from dcp_compile.passes.fx_utils import GraphPatternError, erase_dead_pure_nodes, fake_value, shape_of, where
@@ -204,8 +215,40 @@ def _exchange_and_merge(graph, packed, window_attention, layout: KVLayout, group
     return out, window, [send, exchanged, merged, gathered]
 
 
+def _gather_heads_exchange_and_merge(graph, site: AttentionSite, query, prefix_attention, window_attention,
+                                     layout: KVLayout, group_name: str, comm: str, out_dtype: torch.dtype):
+    """The site inside TP, where the DCP peers hold the same KV and different query heads:
+    gather the peers' queries, attend to the local shard for all of them, and hand each
+    peer the partials of its own heads (``comm``: an all-to-all, or an all-gather from
+    which each rank keeps its block), then merge with the window over the local heads.
+    ``(out, prefix, packed, window, collective nodes)``; the window runs while the
+    queries are in flight."""
+    size = layout.size
+    mine = graph.call_method("contiguous", (query,))
+    gathered_q = graph.call_function(ALL_GATHER, (mine, size, group_name))
+    window = window_attention()
+    gathered_q = graph.call_function(WAIT, (gathered_q,))
+    peers_query = graph.call_function(join_heads, (gathered_q,), dict(size=size))
+    prefix = prefix_attention(peers_query)
+    packed = graph.call_function(
+        pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
+    )
+    if comm == "a2a":
+        send = graph.call_function(split_heads, (packed,), dict(size=size))
+        splits = [1] * size
+        partials = graph.call_function(WAIT, (graph.call_function(ALL_TO_ALL, (send, splits, splits, group_name)),))
+        nodes = [mine, gathered_q, peers_query, send, partials]
+    else:
+        gathered = graph.call_function(WAIT, (graph.call_function(ALL_GATHER, (packed, size, group_name)),))
+        partials = graph.call_function(own_heads_of_gathered, (gathered,), dict(size=size, rank=layout.rank))
+        nodes = [mine, gathered_q, peers_query, gathered, partials]
+    window_parts = [graph.call_function(operator.getitem, (window, i)) for i in (0, 1)]
+    out = graph.call_function(merge_own_heads, (partials, *window_parts), dict(dtype=out_dtype))
+    return out, prefix, packed, window, nodes
+
+
 def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_name: str | None, comm: str,
-                  ancestors, slots: TreeSlots | None) -> None:
+                  ancestors, slots: TreeSlots | None, heads_split: bool = False) -> None:
     """Replace one site by the cascade: operands, prefix, collective with the window, merge."""
     graph = gm.graph
     k_write, latent = site.k_write, site.latent
@@ -223,13 +266,24 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
         if (site.mask.key_masks or site.mask.key_lower_bounds) and latent is not None:
             raise GraphPatternError(f"the latent attention at {where(site.node)} reads a key-padding mask, which MLA sites do not take yet")
         lower, kv_start = _lower_bound(graph, site, positions, sharding)
-        prefix = _prefix_attention(graph, site, query, caches, positions, kv_len, lower, kv_start, sharding)
-        packed = graph.call_function(
-            pack_partial, (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
-        )
-        out, window, comm_nodes = _exchange_and_merge(
-            graph, packed, lambda: _window_attention(graph, site, query, caches, new_kv, positions, lower, ancestors,
-                                                     slots), layout, group_name, comm, out_dtype)
+
+        def prefix_attention(q):
+            return _prefix_attention(graph, site, q, caches, positions, kv_len, lower, kv_start, sharding)
+
+        def window_attention():
+            return _window_attention(graph, site, query, caches, new_kv, positions, lower, ancestors, slots)
+
+        if heads_split and layout.size > 1:
+            out, prefix, packed, window, comm_nodes = _gather_heads_exchange_and_merge(
+                graph, site, query, prefix_attention, window_attention, layout, group_name, comm, out_dtype)
+        else:
+            prefix = prefix_attention(query)
+            packed = graph.call_function(
+                pack_partial,
+                (graph.call_function(operator.getitem, (prefix, 0)), graph.call_function(operator.getitem, (prefix, 1)))
+            )
+            out, window, comm_nodes = _exchange_and_merge(graph, packed, window_attention, layout, group_name, comm,
+                                                          out_dtype)
         if latent is not None:
             out = graph.call_function(torch.permute, (out, latent.out_perm))
     for node in (positions, *new_kv, *caches, *([] if slots else [kv_len]), prefix, packed, window, out, *comm_nodes):
@@ -257,12 +311,13 @@ def _lower_bound(graph, site: AttentionSite, positions, sharding: dict):
 
 def shard_attention(
     gm: GraphModule, plan: Plan, *, layout: KVLayout, group_name: str | None, comm: str = "ag", ancestors=None,
-    slots: TreeSlots | None = None,
+    slots: TreeSlots | None = None, heads_split: bool = False,
 ) -> GraphModule:
     """``layout.size == 1`` (``group_name`` None): the cascade without a collective.
     ``ancestors``: the graph's tree mask (``ops.tree_mask``), which every window takes
     in place of the causal order of positions.  ``slots``: a tree draft depth's tree
-    slots (a whole draft cache only)."""
+    slots (a whole draft cache only).  ``heads_split``: the DCP peers hold different
+    query heads (tensor parallelism): each site gathers the peers' queries first."""
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     for site in plan.sites:
@@ -273,7 +328,7 @@ def shard_attention(
                 f"the latent attention at {where(site.node)} is asked to verify a tree, but MLA's window takes no "
                 f"tree mask yet; draft chains (topk=1) for MLA targets")
         heads = fake_value(site.query).shape[site.latent.query_perm[1] if site.latent else 1]
-        if comm == "a2a" and layout.size > 1 and heads % layout.size:
+        if comm == "a2a" and layout.size > 1 and not heads_split and heads % layout.size:
             raise ValueError(
                 f"comm='a2a' splits the {heads} query heads of the attention at {where(site.node)} over {layout.size} "
                 f"ranks, which needs heads divisible by the DCP size; use comm='ag' for this model"
@@ -285,6 +340,6 @@ def shard_attention(
             raise GraphPatternError(
                 f"the attention at {where(site.node)} reads an MLA latent or a key-padding mask; a tree draft's depth "
                 f"takes a plain position-causal attention over per-head keys and values")
-        _rewrite_site(gm, site, layout, group_name, comm, ancestors, slots)
+        _rewrite_site(gm, site, layout, group_name, comm, ancestors, slots, heads_split)
     gm.recompile()
     return gm

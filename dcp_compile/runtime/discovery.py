@@ -98,6 +98,12 @@ def tensor_owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
     return owners
 
 
+def parameter_owners(model: nn.Module, real: dict[int, torch.Tensor] | None = None) -> dict[int, tuple]:
+    """id(parameter) -> (qualified name, the real parameter): which weight a graph input
+    is.  ``real``: the parameters behind the meta copies a meta trace used."""
+    return {id(p): (name, (real or {}).get(id(p), p)) for name, p in model.named_parameters()}
+
+
 def replace_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
     if attr in module._buffers:
         module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
@@ -133,22 +139,24 @@ def _trace_on_meta(model: nn.Module, example_inputs: tuple):
         meta_inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_inputs)
         gm, inputs = trace_graph(model, meta_inputs)
         owners = tensor_owners(model)
+        weights = parameter_owners(model, real={id(m._parameters[n]): p for m, n, p in params})
     finally:
         for module, name, p in params:
             module._parameters[name] = p
         for module, name, tensor in swapped:
             replace_tensor(module, name, tensor)
-    return gm, inputs, owners
+    return gm, inputs, owners, weights
 
 
 def discover(model: nn.Module, forward_args: tuple, defaulted: bool, max_batch: int):
     """The discovery trace of ``model(*forward_args)`` (``defaulted``: arguments prepare
-    built from the forward signature): ``(graph, its inputs, owner of each model tensor)``."""
+    built from the forward signature): ``(graph, its inputs, owner of each buffer or tensor
+    attribute, name and real tensor of each parameter)``, keyed by id of the traced tensor."""
     try:
         if any(t.is_meta for t in _tensors(model)):
             return _trace_on_meta(model, forward_args)
         gm, inputs = trace_graph(model, forward_args)
-        return gm, inputs, tensor_owners(model)
+        return gm, inputs, tensor_owners(model), parameter_owners(model)
     except ValueError as error:
         if not defaulted:
             raise

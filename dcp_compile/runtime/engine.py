@@ -111,8 +111,8 @@ class SpecEngine:
         self.device = decoder.device
         self.device_step = decoder.device_step
         self.device_step.verify_steps = 0
-        self.leader = leader and self.group.size > 1
-        self.is_leader = self.group.rank == 0 or not self.leader
+        self.leader = leader and self.group.replica_size > 1
+        self.is_leader = self.group.replica_rank == 0 or not self.leader
         # Leader mode's plans go host to host: in the device's group they would queue behind
         # the step in flight, and every rank's host would wait for it before the next launch.
         self.control = dist.new_group(backend="gloo") if self.leader else None

@@ -158,7 +158,7 @@ class DeviceStep:
         self.target_features = target_features
         """Whether the target returns ``(logits, features)`` rather than the logits alone."""
         self.max_batch, self.max_seq_len, self.chunk_size = max_batch, max_seq_len, chunk_size
-        self.check_ranks = check_ranks and group.size > 1
+        self.check_ranks = check_ranks and group.replica_size > 1
         self.target_vocab, self.draft = target_vocab, draft
         self.device = group.device
         self.rows = torch.arange(max_batch, device=self.device)

@@ -187,7 +187,8 @@ def draft_and_aux_worker(rank, size, kind):
 
 
 SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2),
-                 "mla": dict(kind="eagle3", target="mla", noise=3.0)}
+                 "mla": dict(kind="eagle3", target="mla", noise=3.0),
+                 "mqa": dict(kind="eagle3", noise=3.0, n_kv_heads=1)}
 
 
 def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=False):

@@ -64,7 +64,7 @@ def parity_worker(
 
 
 def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96,
-                  target: str = "llama", mla_shape: dict | None = None):
+                  target: str = "llama", mla_shape: dict | None = None, n_kv_heads: int = 2):
     """A target and an EAGLE/EAGLE3 draft that agree most of the time.
 
     The target is built to mostly repeat its input token: the LM head is the token
@@ -75,7 +75,8 @@ def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4,
     but imperfect, so a batch sees every accept count from 0 to k.  For tests only: the weights are not a language model.
     ``target="mla"``: the target is the MLA reference (latent attention), the draft a
     Llama layer over its hidden states; ``mla_shape`` overrides its ``MLAConfig`` fields
-    (a latent of 512 and a rope key of 64 reach the GPU's latent kernel).
+    (a latent of 512 and a rope key of 64 reach the GPU's latent kernel).  ``n_kv_heads``:
+    the Llama target's KV heads (its 4 query heads share them).
     """
     from dcp_compile.models import DraftConfig, EagleDraft, eagle3_aux_layers
 
@@ -89,7 +90,7 @@ def agreeing_pair(kind: str, *, noise: float, seed: int = 0, max_batch: int = 4,
         draft_cfg = draft_config(cfg, kind, n_features=len(aux))
         target = init_weights(MLATransformer(cfg), seed).eval()
     else:
-        cfg = LlamaConfig(vocab_size=32, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=96, n_layers=n_layers,
+        cfg = LlamaConfig(vocab_size=32, dim=64, n_heads=4, n_kv_heads=n_kv_heads, intermediate_size=96, n_layers=n_layers,
                           max_seq_len=max_seq_len, max_batch=max_batch, aux_layers=aux)
         draft_cfg = DraftConfig(cfg, kind, n_features=len(aux))
         target = make_model(cfg, seed)
