@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from dcp_compile.commands import parallel
 from dcp_compile.commands.arms import demo, gate_command
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
@@ -131,6 +132,11 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from dcp_compile.models import DraftConfig, eagle3_aux_layers
 
     sizes = _int_list(parser, "--dcp", args.dcp)
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and [n for n in sizes if args.tp % n]:
+        parser.error(f"--tp {args.tp}: DCP sizes {[n for n in sizes if args.tp % n]} do not divide it; DCP groups are "
+                     f"blocks of D ranks inside the TP group")
     batches = _int_list(parser, "--batches", args.batches)
     contexts = _int_list(parser, "--contexts", args.contexts)
     if args.k < 0:
@@ -166,10 +172,11 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     # a verify step brings the last accepted token and the draft's tokens (a chain's k, a tree's nodes)
     planner = memory.MemoryPlanner(cfg, budget, getattr(torch, args.dtype), draft,
                                    verify_tokens=args.draft_tokens + 1 if args.k else 0, tree=tree,
-                                   draft_tree_slots=(args.k - 1) * args.topk if tree else 0)
+                                   draft_tree_slots=(args.k - 1) * args.topk if tree else 0, tp_size=args.tp)
     longest, widest = memory.capacity_tables(planner, sizes, batches, contexts)
     base = planner.plan(sizes[0], 1, 1)
-    print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU, budget "
+    tp = f" at TP {args.tp}" if args.tp > 1 else ""
+    print(f"{args.model}: weights {base.weight_bytes / memory.GiB:.1f} GiB per GPU{tp}, budget "
           f"{budget / memory.GiB:.1f} GiB (of which {memory.BASE_RESERVE_BYTES / memory.GiB:.0f} GiB plus the step's "
           f"logits are kept for activations), {args.dtype}, " + _describe_draft(args, draft))
     header = " | ".join(f"DCP={n}" for n in sizes)
@@ -220,6 +227,7 @@ def _resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
 def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="speculative decoding with a DCP-sharded target, checked against the size-1 arm")
     d.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
+    parallel.add_tp_argument(d)
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_tree_arguments(d, 4)
     d.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (rejection sampling)")
@@ -241,6 +249,7 @@ def _add_demo(sub) -> None:
 def _add_gate(sub) -> None:
     g = sub.add_parser("gate", help="the correctness gate: DCP arm against the off arm on held-out prompts")
     g.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
+    parallel.add_tp_argument(g)
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="float32: exact rule; bfloat16 / float16: paired statistical rule (default: bf16 on cuda, fp32 on cpu)")
@@ -286,7 +295,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--model", default="llama3-8b", help="llama3-8b (the shape), deepseek-v2-lite or deepseek-v3 (the MLA "
                    "reference shapes), a shipped name or a checkpoint directory")
     p.add_argument("--gpu-gib", type=float, help="memory per GPU in GiB; default: the total of CUDA device 0")
-    p.add_argument("--dcp", default="1,2,4,8", help="DCP sizes (comma-separated)")
+    p.add_argument("--dcp", default="1,2,4,8", help="DCP sizes (comma-separated; with --tp T, those that divide T)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: weights and KV heads priced per rank of T")
     p.add_argument("--batches", default="1,8,16,64")
     p.add_argument("--contexts", default="8192,32768,131072,524288")
     p.add_argument("--k", type=int, default=3, help="EAGLE3 draft depth (verify staging and draft); 0: no draft")
@@ -342,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"or pass --device cpu")
     if args.command in ("demo", "gate", "eval", "serve"):
         args.spec = _resolve_model(parser, args)
+    if args.command in ("demo", "gate", "serve"):
+        parallel.check_tp(parser, args, args.spec)
     if args.command == "export":
         return export_command(parser, args)
     if args.command == "plan":

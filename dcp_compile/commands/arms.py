@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dcp_compile.commands import gate
+from dcp_compile.commands import gate, parallel
 
 DEMO_PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -91,6 +91,7 @@ def _decoder(args, group, *, max_batch: int, max_seq_len: int):
 
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
                                  dtype=_dtype(args, group.device))
+    parallel.shard(target, group)
     return dcp.SpecDecoder(target, draft, group, **_shape(args), max_batch=max_batch, max_seq_len=max_seq_len,
                            temperature=args.temperature, seed=args.seed, lowering=args.lowering,
                            chunk_size=min(args.chunk_size, max_seq_len))
@@ -158,8 +159,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     from dcp_compile.commands import loading
 
     device = _device(args.device)
-    group = dcp.init_group(device)
-    talk = group.rank == 0 and not args.json
+    group = parallel.join(args, device)
+    talk = group.replica_rank == 0 and not args.json
     args.codec = codec = loading.codec(args.spec)
     texts = args.prompt or DEMO_PROMPTS
     prompts = [codec.encode(p) for p in texts]
@@ -169,7 +170,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
         print(f"dcp-compile demo: {_describe(args.spec)}, {_describe_shape(shape)}, {sampling}, "
               f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, lowering {args.lowering}\n"
-              f"DCP arm: group of {group.size} ({group.backend or 'single process'}, {device.type}); "
+              f"DCP arm: {parallel.describe(group)} ({group.backend or 'single process'}, {device.type}); "
               f"off arm: plain torch.compile on one rank", flush=True)
     streamed = codec.decoder(prompts[0])
 
@@ -178,8 +179,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
             print(streamed.push(new_tokens), end="", flush=True)
 
     header = f"--- prompt 0, streamed from the DCP arm ---\n{texts[0]}"
-    dcp_arm = _run_arm(f"DCP arm, size {group.size}", group, args, prompts, talk, stream, header)
-    if group.rank != 0:
+    dcp_arm = _run_arm(f"DCP arm, {parallel.describe(group)}", group, args, prompts, talk, stream, header)
+    if group.replica_rank != 0:
         return None
     if talk:
         print(streamed.finish() + "\n--- end of stream ---")
@@ -193,7 +194,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         for i, (prompt, out) in enumerate(zip(texts[1:], dcp_out[1:]), start=1):
             print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
-        for label, arm in ((f"DCP arm (size {group.size})", dcp_arm), ("off arm (size 1)", off_arm)):
+        for label, arm in ((f"DCP arm ({parallel.describe(group)})", dcp_arm), ("off arm (size 1)", off_arm)):
             accept = (f"mean accept length {arm['accept_len']:.2f}, {_describe_shape(shape)}" if k
                       else "one token per step")
             print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
@@ -203,8 +204,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         if device.type == "cpu":
             print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
     return dict(
-        dcp_size=group.size, **shape, temperature=args.temperature, model=args.model, draft=args.draft,
-        tokens_identical=tokens_identical, accept_counts_identical=accepts_identical,
+        dcp_size=group.size, tp_size=group.tp_size, **shape, temperature=args.temperature, model=args.model,
+        draft=args.draft, tokens_identical=tokens_identical, accept_counts_identical=accepts_identical,
         accept_len=dict(dcp=dcp_arm["accept_len"], off=off_arm["accept_len"]),
         tokens_per_s=dict(dcp=dcp_arm["tokens_per_s"], off=off_arm["tokens_per_s"]),
         compile_s=dict(dcp=dcp_arm["compile_s"], off=off_arm["compile_s"]),
@@ -221,9 +222,10 @@ def demo(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         summary = _demo_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
     else:
-        if args.device == "cuda" and torch.cuda.device_count() < args.dcp:
-            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_demo_rank, args.dcp, args, timeout=1800)[0]
+        ranks = parallel.world_size(args)
+        if args.device == "cuda" and torch.cuda.device_count() < ranks:
+            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
+        summary = spawn_ranks(_demo_rank, ranks, args, timeout=1800)[0]
     if summary is not None:
         if args.json:
             print(json.dumps(summary))
@@ -252,23 +254,23 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     from dcp_compile.commands import loading, training
 
     device = _device(args.device)
-    group = dcp.init_group(device)
-    talk = group.rank == 0 and not args.json
+    group = parallel.join(args, device)
+    talk = group.replica_rank == 0 and not args.json
     codec = None if args.spec.kind == "pair" else loading.codec(args.spec)
     prompts = training.held_out_prompts(args.prompts, args.prompt_bytes, seed=args.seed, codec=codec)
-    dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, size {group.size}")
-    if group.rank != 0:
+    dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, {parallel.describe(group)}")
+    if group.replica_rank != 0:
         return None
     off_tokens, off_accepted = _gate_arm(dcp.DCPGroup(1, 0, device, None), args, prompts, talk, "off arm")
     shape = _shape(args)
     verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=shape["k"],
                             dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        print(f"DCP size {group.size} against the off arm, {_describe(args.spec)}, {_describe_shape(shape)}, "
+        print(f"{parallel.describe(group)} against the off arm, {_describe(args.spec)}, {_describe_shape(shape)}, "
               f"temperature {args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
         print(f"accept-count histogram, DCP: {verdict.histogram_dcp}; off: {verdict.histogram_off}")
         print(verdict.describe())
-    return dict(verdict.as_dict(), dcp_size=group.size, **shape, temperature=args.temperature, model=args.model,
+    return dict(verdict.as_dict(), dcp_size=group.size, tp_size=group.tp_size, **shape, temperature=args.temperature, model=args.model,
                 draft=args.draft, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
 
 
@@ -278,9 +280,10 @@ def gate_command(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:
         summary = _gate_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
     else:
-        if args.device == "cuda" and torch.cuda.device_count() < args.dcp:
-            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_gate_rank, args.dcp, args, timeout=3600)[0]
+        ranks = parallel.world_size(args)
+        if args.device == "cuda" and torch.cuda.device_count() < ranks:
+            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
+        summary = spawn_ranks(_gate_rank, ranks, args, timeout=3600)[0]
     if summary is None:
         return 0
     if args.json:

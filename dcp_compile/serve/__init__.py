@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from dcp_compile.commands import parallel
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 from dcp_compile.serve.engine import EngineLoop
 from dcp_compile.text import Codec
@@ -57,6 +58,7 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if group.device.type == "cuda" else torch.float32)
     target, draft = loading.load(spec, max_batch=args.max_batch, max_seq_len=args.max_seq_len, device=group.device,
                                  dtype=dtype)
+    parallel.shard(target, group)
     lowering = args.lowering or ("inductor" if group.device.type == "cuda" else "aot_eager")
     shape = {"k": args.k, "topk": args.topk, "draft_tokens": args.draft_tokens} if draft is not None else {"k": 0}
     decoder = dcp.SpecDecoder(target, draft, group, **shape, max_batch=args.max_batch,
@@ -78,12 +80,10 @@ def _warm_up(engine: SpecEngine, codec: Codec) -> None:
 
 
 def _join(args: argparse.Namespace):
-    import dcp_compile as dcp
-
     device = args.device if args.device != "cuda" else None
     # Compiling ranks can drift apart by minutes; --collective-timeout applies to the
     # step plans once the warm-up is done, and --step-timeout to everything else.
-    return dcp.init_group(device, timeout=timedelta(seconds=max(600.0, args.collective_timeout)))
+    return parallel.join(args, device, timeout=timedelta(seconds=max(600.0, args.collective_timeout)))
 
 
 def _follower(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
@@ -112,7 +112,7 @@ def follow(args: argparse.Namespace) -> None:
                 engine.plan_timeout = args.collective_timeout
                 engine.stop_ids = stop_ids
     except BaseException as error:
-        print(f"dcp-compile serve: rank {engine.group.rank} stopped: {type(error).__name__}: {error}", file=sys.stderr,
+        print(f"dcp-compile serve: rank {engine.group.replica_rank} stopped: {type(error).__name__}: {error}", file=sys.stderr,
               flush=True)
         os._exit(1)
     # Skip the process-group teardown: a peer that already left can make it wait.
@@ -127,18 +127,19 @@ def serve(args: argparse.Namespace) -> int:
 
     followers = []
     if "RANK" not in os.environ:
-        if args.device == "cuda" and torch.cuda.device_count() < args.dcp:
-            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
+        ranks = parallel.world_size(args)
+        if args.device == "cuda" and torch.cuda.device_count() < ranks:
+            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
         port = free_port()
-        if args.dcp > 1:
+        if ranks > 1:
             ctx = mp.get_context("spawn")
-            followers = [ctx.Process(target=_follower, args=(r, args.dcp, port, args), daemon=True)
-                         for r in range(1, args.dcp)]
+            followers = [ctx.Process(target=_follower, args=(r, ranks, port, args), daemon=True)
+                         for r in range(1, ranks)]
             for p in followers:
                 p.start()
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(args.dcp), LOCAL_WORLD_SIZE=str(args.dcp),
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dcp))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     elif int(os.environ["RANK"]) != 0:
         follow(args)
         return 0
@@ -147,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     tree = engine.decoder.tree_shape
     shape = f"k={engine.k}" if tree is None else f"tree k={tree.k} topk={tree.topk} draft_tokens={tree.draft_tokens}"
     print(f"dcp-compile serve: {args.model!r}" + (f" with draft {args.draft!r}" if args.draft else "")
-          + f", DCP group of {group.size} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
+          + f", {parallel.describe(group)} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
           f"{args.max_seq_len}, {shape}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout
@@ -210,6 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: none, one token per step)")
     parser.add_argument("--served-model-name", help="the model name the API reports (default: --model's last part)")
     parser.add_argument("--dcp", type=int, default=2, help="DCP group size when spawning ranks (default 2)")
+    parallel.add_tp_argument(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -74,17 +74,35 @@ def _collective_targets(gm) -> dict[str, int]:
     return counts
 
 
-def tp_cases_worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
+def _refusal_at_prepare(world: int) -> str | None:
+    """A DCP group of 4 over a target whose 2 KV heads TP put on different ranks (sharded
+    without ``tensor_parallel``'s check): ``prepare`` must refuse it on every rank."""
+    from dcp_compile.models.parallel import shard_in_place
+    from tests.support import agreeing_pair
+
+    group = tp_dcp_groups([list(range(world))], world, torch.device("cpu"))
+    target, _ = agreeing_pair("eagle3", noise=3.0)
+    shard_in_place(target, group.tp_size, group.tp_rank, group.tp_group_name)
+    try:
+        dcp.prepare(target, group, "target", max_batch=4, max_seq_len=96)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def tp_cases_worker(rank: int, world: int, cases: list[Case]) -> dict:
     """Run every case on this world: a case of TP size T runs as world / T replicas of
-    contiguous ranks, each replica a TP group with its DCP blocks."""
+    contiguous ranks, each replica a TP group with its DCP blocks.  Then the refusal of a
+    DCP group over different KV heads."""
     dcp.init_group("cpu")
     device = torch.device("cpu")
     results = []
     for case in cases:
         replicas = [list(range(start, start + case.tp)) for start in range(0, world, case.tp)]
         group = tp_dcp_groups(replicas, case.dcp, device)
+        torch._dynamo.reset()  # each case's models are new: their graphs must not count as recompiles of the last's
         results.append(dict(decode(case, group), tp_rank=group.tp_rank, dcp_rank=group.rank))
-    return results
+    return dict(cases=results, refusal=_refusal_at_prepare(world))
 
 
 def reference(case: Case) -> dict:
