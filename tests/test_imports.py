@@ -100,7 +100,7 @@ LAYERS = (
     ("runtime",),
     ("dcp_compile",),  # the package's public surface, which the commands below import
     ("hf",),
-    ("commands", "commands.loading", "commands.export", "commands.parallel"),
+    ("commands", "commands.loading", "commands.export", "commands.parallel", "commands.gguf_model"),
     ("commands.training", "commands.gate"),
     ("commands.arms", "serve.requests"),
     ("serve.frontend",),

@@ -102,9 +102,11 @@ def _describe(spec) -> str:
         return f"model {spec.name!r} (target + EAGLE3 draft)"
     from dcp_compile.models.eagle_checkpoint import inspect
 
+    model = (f"Hugging Face model {str(spec.path)!r}" if spec.kind == "hf"
+             else f"GGUF model {spec.source.name!r} (read from {str(spec.path)!r})")
     if spec.draft is None:
-        return f"Hugging Face model {str(spec.path)!r}, no draft (one token per step)"
-    return f"Hugging Face model {str(spec.path)!r} + {inspect(spec.draft).kind.upper()} draft {str(spec.draft)!r}"
+        return f"{model}, no draft (one token per step)"
+    return f"{model} + {inspect(spec.draft).kind.upper()} draft {str(spec.draft)!r}"
 
 
 def compile_breakdown(decoder, compile_s: float) -> dict:

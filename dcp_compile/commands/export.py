@@ -27,12 +27,19 @@ conversation into the code prompt: each system message becomes a ``# `` comment 
 ``add_generation_prompt`` appends nothing.  For example ``[system "Sort a list.\\nStable.",
 user "def sort(xs):\\n"]`` renders as ``"# Sort a list.\\n# Stable.\\ndef sort(xs):\\n"``.
 
-Needs the ``hf`` extra (``transformers``, ``tokenizers``).
+``export_gguf(file, out)`` writes a GGUF model (``gguf_model``) as one plain Hugging Face
+directory: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, the
+dequantized weights), ``tokenizer.json``, ``tokenizer_config.json`` and
+``chat_template.jinja``, copied from the cache entry every command reads.
+
+Needs the ``hf`` extra (``transformers``, ``tokenizers``; ``gguf`` for a GGUF model).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -45,6 +52,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "dcp_compile.commands.export needs Hugging Face transformers 5.x: pip install 'dcp-compile[hf]'"
     ) from error
 
+from dcp_compile.commands import gguf_model
 from dcp_compile.models.eagle import EagleDraft
 from dcp_compile.models.eagle_checkpoint import EAGLE3_NAMES, LAYER_NAMES
 from dcp_compile.models.llama import Llama, LlamaConfig
@@ -242,6 +250,36 @@ def _draft_config(draft: EagleDraft) -> dict:
     }
 
 
+def _refuse_existing(out: str | Path) -> Path:
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(
+            f"{out} already exists and is not an empty directory; export overwrites nothing: pass a new or empty "
+            f"directory"
+        )
+    return out
+
+
+def export_gguf(file: Path, out: str | Path, *, progress: bool = False) -> dict:
+    """Write the GGUF model ``file`` to ``out`` as a plain Hugging Face directory (see the
+    module docstring), whole or not at all.  Returns ``target`` (the directory), ``files``,
+    ``target_parameters`` and ``source`` (the GGUF file)."""
+    from safetensors import safe_open
+
+    out = _refuse_existing(out)
+    converted = gguf_model.converted(file)
+    files = sorted(p for p in converted.iterdir() if p.is_file())
+    gguf_model.publish(out, lambda temp: [shutil.copy2(p, temp / p.name) for p in files])
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    report = dict(target=str(out), files=[str(out / p.name) for p in files], target_parameters=parameters,
+                  source=str(file))
+    if progress:
+        print(f"target: {out} (a Hugging Face directory from {file.name}, {parameters / 1e6:.2f} M parameters, "
+              f"float32, tokenizer and chat template)")
+    return report
+
+
 def export_pair(name_or_path: str | Path, out: str | Path, *, progress: bool = False) -> dict:
     """Write the pair ``name_or_path`` (a shipped name or a ``dcp-compile train``
     directory) to ``out/target`` and ``out/draft``; see the module docstring.
@@ -252,12 +290,7 @@ def export_pair(name_or_path: str | Path, out: str | Path, *, progress: bool = F
     Everything is checked before the first file is written."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(
-            f"{out} already exists and is not an empty directory; export overwrites nothing: pass a new or empty "
-            f"directory"
-        )
+    out = _refuse_existing(out)
     directory = _pair_directory(name_or_path)
     cfg, draft_cfg = pair_configs(directory)
     if draft_cfg.kind != "eagle3":

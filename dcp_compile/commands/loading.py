@@ -7,15 +7,19 @@
   ``draft`` sections), read by ``models.pretrained``;
 - a Hugging Face causal-LM directory (``config.json`` with ``model_type``), loaded by
   transformers from disk (never the hub) in the serving dtype straight onto the device,
-  and wrapped in ``hf.DCPCausalLM``.
+  and wrapped in ``hf.DCPCausalLM``;
+- a GGUF file (a short name such as ``smollm2``, a ``.gguf`` path, or a directory holding
+  one ``.gguf``), read through transformers once into a Hugging Face directory in the
+  cache (``gguf_model``), which is then loaded as above.
 
 ``--draft`` names an EAGLE3 or EAGLE-1 checkpoint directory in the published layouts
-(``EagleDraft.from_pretrained``); only an HF model takes one, since a pair brings its own.
-An HF model without a draft is decoded by DCP without speculation.
+(``EagleDraft.from_pretrained``); only an HF or GGUF model takes one, since a pair brings
+its own.  An HF or GGUF model without a draft is decoded by DCP without speculation.
 
 ``resolve`` reads configs and weight shapes only, and refuses a bad combination (a draft
 for another model too) with what it found and the fix, so a command can refuse before any
-rank starts; ``load`` builds the models.
+rank starts (the one exception: a GGUF file not yet in the cache is converted here, once);
+``load`` builds the models.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from dcp_compile.files import read_json_object as _read_json
 
-PAIR, HF = "pair", "hf"
+PAIR, HF, GGUF = "pair", "hf", "gguf"
 
 
 @dataclass(frozen=True)
@@ -37,12 +41,15 @@ class ModelSpec:
     name: str
     """As the user gave it (a shipped name or a path)."""
     kind: str
-    """``"pair"`` (this package's target + draft format) or ``"hf"``."""
+    """``"pair"`` (this package's target + draft format), ``"hf"``, or ``"gguf"`` (a GGUF
+    file, loaded as the Hugging Face directory converted from it)."""
     path: Path
-    """The model directory."""
+    """The model directory (for ``"gguf"``: the converted directory in the cache)."""
     draft: Path | None = None
-    """An HF model's draft checkpoint directory; ``None``: no speculation (a pair always
-    brings its own draft)."""
+    """An HF or GGUF model's draft checkpoint directory; ``None``: no speculation (a pair
+    always brings its own draft)."""
+    source: Path | None = None
+    """The GGUF file of a ``"gguf"`` model; ``None`` for the other kinds."""
 
     @property
     def speculative(self) -> bool:
@@ -63,18 +70,37 @@ def resolve(model: str, draft: str | None = None) -> ModelSpec:
             )
         pair_configs(model)
         return ModelSpec(model, PAIR, SHIPPED.get(model, Path(model)))
+    from dcp_compile.commands import gguf_model
+
+    source = gguf_model.find(model)
+    path = _hf_directory(model) if source is None else gguf_model.converted(source)
+    kind = HF if source is None else GGUF
+    config = check_hf_config(path)
+    if draft is None:
+        return ModelSpec(model, kind, path, source=source)
+    _check_draft(Path(draft), config.get_text_config(decoder=True))
+    return ModelSpec(model, kind, path, Path(draft), source)
+
+
+def _hf_directory(model: str) -> Path:
+    """``model`` checked to be a Hugging Face checkpoint directory with its weights."""
+    from dcp_compile.commands.gguf_model import SHORT_NAMES
+    from dcp_compile.models.eagle_checkpoint import weight_files
+    from dcp_compile.models.pretrained import SHIPPED
+
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(
             f"no checkpoint directory at {model!r}; expected a shipped name ({', '.join(SHIPPED)}), a directory "
-            f"written by `dcp-compile train --out DIR`, or a Hugging Face causal-LM directory (config.json and its "
-            f"weights)"
+            f"written by `dcp-compile train --out DIR`, a Hugging Face causal-LM directory (config.json and its "
+            f"weights), or a GGUF file (a .gguf path, or a short name: {', '.join(SHORT_NAMES)})"
         )
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
-            f"{config_path} is missing: a model directory is either a Hugging Face checkpoint (config.json with "
-            f"model_type, and its weights) or one `dcp-compile train` wrote (config.json with target and draft)"
+            f"{config_path} is missing: a model directory is a Hugging Face checkpoint (config.json with model_type, "
+            f"and its weights), one `dcp-compile train` wrote (config.json with target and draft), or one that holds "
+            f"a single .gguf file"
         )
     config = _read_json(config_path, "a model directory holds a config.json object")
     if "model_type" not in config:
@@ -82,14 +108,8 @@ def resolve(model: str, draft: str | None = None) -> ModelSpec:
             f"{config_path} is neither format: it has no 'model_type' (a Hugging Face checkpoint) and no 'target' and "
             f"'draft' sections (a `dcp-compile train` directory); found the keys {sorted(config)[:12]}"
         )
-    from dcp_compile.models.eagle_checkpoint import weight_files
-
     weight_files(path, "model")
-    config = check_hf_config(path)
-    if draft is None:
-        return ModelSpec(model, HF, path)
-    _check_draft(Path(draft), config.get_text_config(decoder=True))
-    return ModelSpec(model, HF, path, Path(draft))
+    return path
 
 
 def check_hf_config(path: Path):
@@ -150,7 +170,8 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
 
 
 def codec(spec: ModelSpec):
-    """The text codec of the model: bytes for a pair, the directory's tokenizer for HF."""
+    """The text codec of the model: bytes for a pair, the directory's tokenizer (with its
+    chat template) for HF and GGUF."""
     from dcp_compile import text
 
     if spec.kind == PAIR:
