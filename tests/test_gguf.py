@@ -63,6 +63,13 @@ def test_a_gguf_file_and_a_directory_holding_one_resolve_to_the_same_conversion(
         assert (spec.kind, spec.path, spec.source) == ("gguf", smollm2.path, tmp_path / "model.gguf")
 
 
+def test_a_directory_of_several_gguf_files_is_refused_with_their_names(smollm2, tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).symlink_to(smollm2.source)
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\) and no config.json: name one"):
+        loading.resolve(str(tmp_path))
+
+
 def test_the_codec_is_the_gguf_tokenizer_with_its_chat_template(smollm2):
     codec = loading.codec(smollm2)
     assert codec.has_chat_template and codec.eos_ids == {2}
@@ -150,7 +157,7 @@ def _not_gguf(directory, _):
 
 @pytest.mark.parametrize("make, message", [
     (_gguf_of, "a GGUF of architecture 'rwkv7': GGUF model with architecture rwkv7 is not supported yet"),
-    (_not_gguf, "not a GGUF file the gguf package reads"),
+    (_not_gguf, "a file the gguf package cannot parse either (GGUF magic invalid)"),
 ])
 @pytest.mark.parametrize("command", ["gate", "serve", "export"])
 def test_a_gguf_transformers_cannot_read_is_a_usage_error_that_writes_nothing(make, message, command, cache, tmp_path,
