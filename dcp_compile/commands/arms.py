@@ -216,16 +216,21 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     )
 
 
-def demo(args: argparse.Namespace) -> int:
+def _on_ranks(rank_fn, args: argparse.Namespace, timeout: float):
+    """``rank_fn(rank, size, args)`` as this torchrun rank, or on ranks spawned here; rank
+    0's result (None on the other ranks under torchrun)."""
     from dcp_compile.runtime.launch import spawn_ranks
 
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        summary = _demo_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
-    else:
-        ranks = parallel.world_size(args)
-        if args.device == "cuda" and torch.cuda.device_count() < ranks:
-            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_demo_rank, ranks, args, timeout=1800)[0]
+        return rank_fn(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
+    ranks = parallel.world_size(args)
+    if args.device == "cuda" and torch.cuda.device_count() < ranks:
+        raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
+    return spawn_ranks(rank_fn, ranks, args, timeout=timeout)[0]
+
+
+def demo(args: argparse.Namespace) -> int:
+    summary = _on_ranks(_demo_rank, args, timeout=1800)
     if summary is not None:
         if args.json:
             print(json.dumps(summary))
@@ -275,15 +280,7 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
 
 
 def gate_command(args: argparse.Namespace) -> int:
-    from dcp_compile.runtime.launch import spawn_ranks
-
-    if "RANK" in os.environ:
-        summary = _gate_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
-    else:
-        ranks = parallel.world_size(args)
-        if args.device == "cuda" and torch.cuda.device_count() < ranks:
-            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_gate_rank, ranks, args, timeout=3600)[0]
+    summary = _on_ranks(_gate_rank, args, timeout=3600)
     if summary is None:
         return 0
     if args.json:
