@@ -19,9 +19,10 @@ from tests.runtime.tp_workers import K, Case, reference, tp_cases_worker
 from tests.support import agreeing_pair
 
 WORLD = 4
+# The greedy chain at TP 4 x DCP 2 is examples/tensor_parallel.py's, on the shipped pair.
 CASES = (
-    Case(4, 2),                                        # two KV heads, each on two ranks: DCP shards the copies
-    Case(4, 2, topk=2, draft_tokens=6, temperature=0.8, comm="a2a"),  # a sampled EAGLE-2 tree, partials by all-to-all
+    Case(4, 2, topk=2, draft_tokens=6, temperature=0.8, comm="a2a"),  # two KV heads, each on two ranks; a sampled
+                                                                      # EAGLE-2 tree, partials by all-to-all
     Case(4, 4, kind="mla"),                            # MLA: one latent head on every rank
     Case(2, (2, 1), kind="mqa"),                       # one KV head: TP=2 x DCP=2 on ranks 0-1, plain TP on 2-3
 )
