@@ -3,8 +3,11 @@ attention and the HBM copy ceiling, over local context x batch.
 
     python3 benchmarks/bench_kernel.py --out $OUT/kernel.json        # one H200, ~3 min
     python3 benchmarks/bench_kernel.py --smoke --out /tmp/kernel.json  # CPU, Triton interpreter
+    python3 benchmarks/bench_kernel.py --heads 16:1 --arms ours copy --out $OUT/kernel.json  # gathered heads
 
 Shapes: Hq=32, Hkv=8, D=128, bf16, T=1 (decode), plus T=4 (verify) at two points;
+``--heads HQ:HKV`` sets the query and KV heads instead (e.g. ``16:1``: the D x Hq/T query heads
+a DCP rank holds after gathering its peers' queries inside tensor parallelism, over one KV head);
 every sequence uses its whole local context (kv_len = S), and ``--fill`` points hold
 shorter sequences in a larger cache (the slice count comes from the capacity, each
 sequence's length is cut into the slices on the device).  Arms:
@@ -63,6 +66,16 @@ def parse_fill(text: str) -> tuple[int, int, int]:
     return batch, capacity, live
 
 
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--heads takes HQ:HKV, e.g. 16:1; got {text!r}") from None
+    if hkv < 1 or hq < hkv or hq % hkv:
+        raise SystemExit(f"--heads {text}: need HKV >= 1 and HQ a multiple of HKV")
+    return hq, hkv
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="write the JSON results here")
@@ -73,6 +86,8 @@ def parse_args():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=("ours", "sdpa", "flex", "copy"))
+    parser.add_argument("--heads", type=parse_heads, metavar="HQ:HKV",
+                        help="query and KV heads (default 32:8; the smoke run's own 8:2 unless given)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds of every arm per point; the median of the rounds counts")
     parser.add_argument("--fill", nargs="*", default=["8:65536:8192", "8:65536:32768", "1:65536:8192"],
@@ -166,7 +181,7 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
     hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
     live = context if kv_len_value is None else kv_len_value
     kv_bytes = batch * hkv * live * d * 2 * 2
-    point = dict(batch=batch, context=live, capacity=context, t=t, kv_bytes=kv_bytes, arms={})
+    point = dict(batch=batch, hq=hq, hkv=hkv, context=live, capacity=context, t=t, kv_bytes=kv_bytes, arms={})
     row_blocks = triton.cdiv(hq // hkv * t, triton_prefix.MAX_ROWS)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
         triton_prefix.DEFAULT_SM_COUNT
@@ -229,7 +244,7 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
 
 
 def table(points) -> str:
-    head = ("| B | context | T | KV GB | splits | ours ms | ours TB/s | ours % copy | SDPA TB/s | SDPA % copy "
+    head = ("| heads | B | context | T | KV GB | splits | ours ms | ours TB/s | ours % copy | SDPA TB/s | SDPA % copy "
             "| flex TB/s | copy TB/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
@@ -240,7 +255,8 @@ def table(points) -> str:
         if p.get("capacity", p["context"]) != p["context"]:
             context += f" of {kilo(p['capacity'])}"
         lines.append(
-            f"| {p['batch']} | {context} | {p['t']} | {p['kv_bytes'] / 1e9:.2f} | {p['num_splits']} "
+            f"| {p['hq']}:{p['hkv']} | {p['batch']} | {context} | {p['t']} | {p['kv_bytes'] / 1e9:.2f} "
+            f"| {p['num_splits']} "
             f"| {cell(o, 'ms', '{:.3f}')} | {cell(o, 'tbps', '{:.2f}')} | {cell(o, 'pct_copy', '{:.0f}%')} "
             f"| {cell(s, 'tbps', '{:.2f}')} | {cell(s, 'pct_copy', '{:.0f}%')} | {cell(f, 'tbps', '{:.2f}')} "
             f"| {cell(c, 'tbps', '{:.2f}')} |"
@@ -252,7 +268,8 @@ def main() -> int:
     started = time.monotonic()
     if ARGS.smoke:
         device = torch.device("cpu")
-        cfg = dict(hq=SMOKE["hq"], hkv=SMOKE["hkv"], d=SMOKE["d"])
+        hq, hkv = ARGS.heads or (SMOKE["hq"], SMOKE["hkv"])
+        cfg = dict(hq=hq, hkv=hkv, d=SMOKE["d"])
         contexts, batches, verify, fill = SMOKE["contexts"], SMOKE["batches"], SMOKE["verify"], SMOKE["fill"]
         timer = Timer(device, SMOKE["reps"], SMOKE["warmup"])
     else:
@@ -260,7 +277,8 @@ def main() -> int:
             print("no CUDA device: run on a GPU, or pass --smoke for the CPU interpreter run", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        cfg = dict(hq=32, hkv=8, d=128)
+        hq, hkv = ARGS.heads or (32, 8)
+        cfg = dict(hq=hq, hkv=hkv, d=128)
         contexts, batches, verify = ARGS.contexts, ARGS.batches, VERIFY_POINTS
         fill = [parse_fill(f) for f in ARGS.fill]
         timer = Timer(device, ARGS.reps, ARGS.warmup)
@@ -277,7 +295,8 @@ def main() -> int:
                          pct_copy="attention TB/s / copy TB/s",
                          timing="median of CUDA-event timed graph replays (copy: the faster of graph and eager)"),
     )
-    print(f"{env['gpu']}; torch {env['torch']}; triton {env['triton']}; python {env['python']}")
+    print(f"{env['gpu']}; torch {env['torch']}; triton {env['triton']}; python {env['python']}; "
+          f"heads {cfg['hq']}:{cfg['hkv']}, D={cfg['d']}")
     print(f"command: {env['command']}")
     if not check_kernel(device, **cfg):
         print("the kernel disagrees with the reference: no timings", file=sys.stderr)

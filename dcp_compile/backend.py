@@ -81,7 +81,10 @@ class Backend:
     A group of size 1 writes in place, as plain ``torch.compile`` does."""
     comm: str = "ag"
     """How the ranks' partial attentions meet: ``"ag"`` (one all-gather per layer) or
-    ``"a2a"`` (all-to-all by head group, local merge, all-gather of merged heads)."""
+    ``"a2a"`` (all-to-all by head group, local merge, all-gather of merged heads).  Inside
+    TP, after the all-gather of the peers' queries: ``"a2a"`` hands each rank its heads'
+    partials (``(D-1)/D`` of the payload a rank), ``"ag"`` all-gathers every rank's
+    partials and each keeps its block (``D-1`` times the payload)."""
     cascade: bool = False
     """Rewrite attention into the prefix + window + merge cascade even for a group of
     one (no collective): the single-GPU baseline with the same kernels, for measuring

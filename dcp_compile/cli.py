@@ -135,8 +135,6 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int
 
 def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dcp_compile import memory
-    from dcp_compile.models.llama import llama3_8b_shape
-    from dcp_compile.models import DraftConfig, eagle3_aux_layers
 
     sizes = _int_list(parser, "--dcp", args.dcp)
     if args.tp < 1:
@@ -157,21 +155,9 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget = memory.device_budget("cuda:0")
     else:
         parser.error("no CUDA device here to read the memory from: pass --gpu-gib (e.g. 139.8 for an H200)")
-    from dcp_compile.models.mla import MLAConfig, deepseek_v2_lite_shape, deepseek_v3_attention_shape, draft_config
+    from dcp_compile.models.mla import MLAConfig
 
-    mla_shapes = {"deepseek-v2-lite": deepseek_v2_lite_shape, "deepseek-v3": deepseek_v3_attention_shape}
-    if args.model == "llama3-8b":
-        cfg = llama3_8b_shape()
-        draft = DraftConfig(cfg, "eagle3") if args.k else None
-    elif args.model in mla_shapes:
-        cfg = mla_shapes[args.model](aux_layers=eagle3_aux_layers(mla_shapes[args.model]().n_layers))
-        draft = draft_config(cfg) if args.k else None
-        print(f"{args.model}: the reference MLA shape (latent cache {cfg.kv_lora_rank} + rope key "
-              f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
-              f"figure is the stand-in's")
-    else:
-        cfg, draft = _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
-        draft = draft if args.k else None
+    cfg, draft = _plan_shapes(parser, args)
     tree = _is_tree(args)
     if tree and isinstance(cfg, MLAConfig):
         parser.error(f"--model {args.model!r} attends through MLA's latent cache, which takes no tree mask yet: "
@@ -194,6 +180,26 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     for context, row in widest.items():
         print(f"| {context:,} | " + " | ".join(f"{row[n]:,}" for n in sizes) + " |")
     return 0
+
+
+def _plan_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``plan``'s target and draft configs: a named shape, or a checkpoint's pair."""
+    from dcp_compile.models import DraftConfig, eagle3_aux_layers
+    from dcp_compile.models.llama import llama3_8b_shape
+    from dcp_compile.models.mla import deepseek_v2_lite_shape, deepseek_v3_attention_shape, draft_config
+
+    mla_shapes = {"deepseek-v2-lite": deepseek_v2_lite_shape, "deepseek-v3": deepseek_v3_attention_shape}
+    if args.model == "llama3-8b":
+        cfg = llama3_8b_shape()
+        return cfg, DraftConfig(cfg, "eagle3") if args.k else None
+    if args.model in mla_shapes:
+        cfg = mla_shapes[args.model](aux_layers=eagle3_aux_layers(mla_shapes[args.model]().n_layers))
+        print(f"{args.model}: the reference MLA shape (latent cache {cfg.kv_lora_rank} + rope key "
+              f"{cfg.qk_rope_head_dim} per token and layer); a dense MLP stands in for the MoE, so the weights "
+              f"figure is the stand-in's")
+        return cfg, draft_config(cfg) if args.k else None
+    cfg, draft = _check_model(parser, args.model, f"; or one of the shapes llama3-8b, {', '.join(mla_shapes)}")
+    return cfg, draft if args.k else None
 
 
 def _describe_draft(args: argparse.Namespace, draft) -> str:

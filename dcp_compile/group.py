@@ -122,18 +122,20 @@ def check_sizes(tp: int, dcp: int) -> None:
         )
 
 
-def tp_dcp_groups(replicas: list[list[int]], dcp: int, device: torch.device) -> DCPGroup:
+def tp_dcp_groups(replicas: list[list[int]], dcp: int | list[int], device: torch.device) -> DCPGroup:
     """This rank's groups, for TP groups over ``replicas`` (lists of global ranks, one per
     model replica, together the whole world) with DCP groups of ``dcp`` contiguous ranks
-    inside each.  Collective: every rank of the world calls it with the same arguments,
-    since ``dist.new_group`` is; ``init_group`` makes one replica of the whole world."""
+    inside each (one size for all, or one per replica).  Collective: every rank of the
+    world calls it with the same arguments, since ``dist.new_group`` is; ``init_group``
+    makes one replica of the whole world."""
     world, me = dist.get_world_size(), dist.get_rank()
+    sizes = dcp if isinstance(dcp, list) else [dcp] * len(replicas)
 
     def new_group(ranks: list[int]):
         return dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
 
     mine = None
-    for tp_ranks in replicas:
+    for tp_ranks, dcp in zip(replicas, sizes, strict=True):
         check_sizes(len(tp_ranks), dcp)
         tp_pg = new_group(tp_ranks) if len(tp_ranks) > 1 else None
         blocks = [tp_ranks[i:i + dcp] for i in range(0, len(tp_ranks), dcp)]

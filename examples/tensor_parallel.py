@@ -47,14 +47,14 @@ def main():
     outputs, cache = decode(group, args.max_new_tokens, shard=True)
     if group.tp_rank != 0:
         return
-    off, _ = decode(dcp.DCPGroup(1, 0, group.device, None), args.max_new_tokens, shard=False)
+    off, whole = decode(dcp.DCPGroup(1, 0, group.device, None), args.max_new_tokens, shard=False)
     for prompt, out, ref in zip(PROMPTS, outputs, off):
         if out.tokens != ref.tokens or out.accepted != ref.accepted:
             raise SystemExit(f"MISMATCH: TP 4 x DCP 2 decoded {out.tokens} ({out.accepted}), the unsharded model "
                              f"{ref.tokens} ({ref.accepted})")
         print(f"--- {out.finished_by} ---\n{prompt}{bytes(t for t in out.tokens if t != EOS).decode(errors='replace')}")
     steps = [a for o in outputs for a in o.accepted]
-    print(f"OK: TP 4 x DCP 2, rank 0 caches {cache} (rows, KV heads, slots, head dim) of the unsharded (2, 2, 128, 16), "
+    print(f"OK: TP 4 x DCP 2, rank 0 caches {cache} (rows, KV heads, slots, head dim) of the unsharded {whole}, "
           f"tokens and accept counts identical to the unsharded models, mean accept length "
           f"{sum(a + 1 for a in steps) / len(steps):.2f} at k=4")
 

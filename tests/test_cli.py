@@ -142,3 +142,46 @@ def test_demo_runs_as_one_rank_under_torchrun_and_only_rank_0_talks():
     assert "--- prompt 0, streamed from the DCP arm ---\ndef f(x):\n" in out
     assert "tokens identical = True, accept counts identical = True" in out
     assert out.count("DCP arm (size 2)") == 1 and out.count("off arm (size 1)") == 1, "only rank 0 reports"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--tp", "4", "--dcp", "3"], "--tp 4 --dcp 3: DCP size 3 does not divide TP size 4"),
+    (["gate", "--tp", "0"], "--tp must be >= 1, got 0"),
+    (["serve", "--tp", "6", "--dcp", "4"], "DCP size 4 does not divide TP size 6"),
+    (["plan", "--tp", "4", "--dcp", "1,3", "--gpu-gib", "80"], "--tp 4: DCP sizes [3] do not divide it"),
+])
+def test_tp_layouts_that_cannot_be_laid_out_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_tp_under_a_torchrun_world_of_another_size_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--tp", "4", "--dcp", "2"])
+    assert exit_info.value.code == 2
+    assert "--tp 4 needs a world of 4 ranks (one TP group), but torchrun started 2" in capsys.readouterr().err
+
+
+def test_tp_of_a_hugging_face_directory_names_the_route_that_works(capsys):
+    import argparse
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dcp_compile.commands import parallel
+
+    parser = argparse.ArgumentParser(prog="dcp-compile")
+    args = SimpleNamespace(tp=2, dcp=1, device="cpu")
+    with pytest.raises(SystemExit):
+        parallel.check_tp(parser, args, SimpleNamespace(kind="hf", path=Path("/models/llama")))
+    err = capsys.readouterr().err
+    assert "not the Hugging Face model '/models/llama'" in err and "serve it with --dcp alone" in err
+
+
+def test_plan_prices_a_rank_of_tp(capsys):
+    assert main(["plan", "--model", "deepseek-v2-lite", "--tp", "4", "--dcp", "1,4", "--gpu-gib", "80", "--k", "0"]) == 0
+    whole = capsys.readouterr().out
+    assert main(["plan", "--model", "deepseek-v2-lite", "--dcp", "1,4", "--gpu-gib", "80", "--k", "0"]) == 0
+    assert "weights 1.8 GiB per GPU at TP 4" in whole and "weights 4.9 GiB per GPU," in capsys.readouterr().out

@@ -246,6 +246,11 @@ def test_bad_requests_get_400(server):
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     # a chat without max_tokens may use what the prompt leaves of the cache, no more
     long = [{"role": "user", "content": "x " * 400}]
+    for call in (lambda: client.chat.completions.create(model="gpt-4o", messages=MESSAGES),
+                 lambda: client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)):
+        with pytest.raises(openai.NotFoundError, match=f"The model 'gpt-4o' does not exist: this server serves '{MODEL}'") as found:
+            call()
+        assert found.value.code == "model_not_found" and found.value.status_code == 404
     with pytest.raises(openai.BadRequestError, match="the cache holds max_seq_len=256"):
         client.chat.completions.create(model=MODEL, messages=long)
 

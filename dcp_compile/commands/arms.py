@@ -172,7 +172,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
         print(f"dcp-compile demo: {_describe(args.spec)}, {_describe_shape(shape)}, {sampling}, "
               f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, lowering {args.lowering}\n"
-              f"DCP arm: {parallel.describe(group)} ({group.backend or 'single process'}, {device.type}); "
+              f"DCP arm: {parallel.describe(group, 'group of {}')} ({group.backend or 'single process'}, {device.type}); "
               f"off arm: plain torch.compile on one rank", flush=True)
     streamed = codec.decoder(prompts[0])
 
@@ -181,7 +181,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
             print(streamed.push(new_tokens), end="", flush=True)
 
     header = f"--- prompt 0, streamed from the DCP arm ---\n{texts[0]}"
-    dcp_arm = _run_arm(f"DCP arm, {parallel.describe(group)}", group, args, prompts, talk, stream, header)
+    dcp_arm = _run_arm(f"DCP arm, {parallel.describe(group, 'size {}')}", group, args, prompts, talk, stream, header)
     if group.replica_rank != 0:
         return None
     if talk:
@@ -196,7 +196,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         for i, (prompt, out) in enumerate(zip(texts[1:], dcp_out[1:]), start=1):
             print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
-        for label, arm in ((f"DCP arm ({parallel.describe(group)})", dcp_arm), ("off arm (size 1)", off_arm)):
+        for label, arm in ((f"DCP arm ({parallel.describe(group, 'size {}')})", dcp_arm), ("off arm (size 1)", off_arm)):
             accept = (f"mean accept length {arm['accept_len']:.2f}, {_describe_shape(shape)}" if k
                       else "one token per step")
             print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
@@ -218,16 +218,21 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     )
 
 
-def demo(args: argparse.Namespace) -> int:
+def _on_ranks(rank_fn, args: argparse.Namespace, timeout: float):
+    """``rank_fn(rank, size, args)`` as this torchrun rank, or on ranks spawned here; rank
+    0's result (None on the other ranks under torchrun)."""
     from dcp_compile.runtime.launch import spawn_ranks
 
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        summary = _demo_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
-    else:
-        ranks = parallel.world_size(args)
-        if args.device == "cuda" and torch.cuda.device_count() < ranks:
-            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_demo_rank, ranks, args, timeout=1800)[0]
+        return rank_fn(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
+    ranks = parallel.world_size(args)
+    if args.device == "cuda" and torch.cuda.device_count() < ranks:
+        raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
+    return spawn_ranks(rank_fn, ranks, args, timeout=timeout)[0]
+
+
+def demo(args: argparse.Namespace) -> int:
+    summary = _on_ranks(_demo_rank, args, timeout=1800)
     if summary is not None:
         if args.json:
             print(json.dumps(summary))
@@ -260,7 +265,7 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     talk = group.replica_rank == 0 and not args.json
     codec = None if args.spec.kind == "pair" else loading.codec(args.spec)
     prompts = training.held_out_prompts(args.prompts, args.prompt_bytes, seed=args.seed, codec=codec)
-    dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, {parallel.describe(group)}")
+    dcp_tokens, dcp_accepted = _gate_arm(group, args, prompts, talk, f"DCP arm, {parallel.describe(group, 'size {}')}")
     if group.replica_rank != 0:
         return None
     off_tokens, off_accepted = _gate_arm(dcp.DCPGroup(1, 0, device, None), args, prompts, talk, "off arm")
@@ -268,7 +273,7 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     verdict = gate.evaluate(dcp_tokens, dcp_accepted, off_tokens, off_accepted, k=shape["k"],
                             dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        print(f"{parallel.describe(group)} against the off arm, {_describe(args.spec)}, {_describe_shape(shape)}, "
+        print(f"{parallel.describe(group, 'DCP size {}')} against the off arm, {_describe(args.spec)}, {_describe_shape(shape)}, "
               f"temperature {args.temperature}, {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens")
         print(f"accept-count histogram, DCP: {verdict.histogram_dcp}; off: {verdict.histogram_off}")
         print(verdict.describe())
@@ -277,15 +282,7 @@ def _gate_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
 
 
 def gate_command(args: argparse.Namespace) -> int:
-    from dcp_compile.runtime.launch import spawn_ranks
-
-    if "RANK" in os.environ:
-        summary = _gate_rank(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
-    else:
-        ranks = parallel.world_size(args)
-        if args.device == "cuda" and torch.cuda.device_count() < ranks:
-            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
-        summary = spawn_ranks(_gate_rank, ranks, args, timeout=3600)[0]
+    summary = _on_ranks(_gate_rank, args, timeout=3600)
     if summary is None:
         return 0
     if args.json:

@@ -69,6 +69,6 @@ def shard(target, group):
     return dcp.tensor_parallel(target, group) if group.tp_size > 1 else target
 
 
-def describe(group) -> str:
-    tp = f"TP {group.tp_size} x " if group.tp_size > 1 else ""
-    return f"{tp}DCP {group.size}"
+def describe(group, without_tp: str) -> str:
+    """``TP T x DCP D``, or ``without_tp`` (a template of the DCP size) for a group without TP."""
+    return f"TP {group.tp_size} x DCP {group.size}" if group.tp_size > 1 else without_tp.format(group.size)

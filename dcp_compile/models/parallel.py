@@ -170,7 +170,7 @@ def _refuse(model: nn.Module) -> None:
         raise TypeError(
             f"tensor_parallel shards the package's own targets (Llama, MLATransformer), not {type(model).__name__}. "
             f"Shard other models with their own TP code (DeepSeek's Column/RowParallelLinear, torch's "
-            f"parallelize_module on a DeviceMesh, transformers' tp_plan='auto'), then dcp.prepare them as usual")
+            f"parallelize_module on a DeviceMesh), then dcp.prepare them as usual (docs/tensor-parallel.md)")
     caches = [b for layer in model.layers for b in layer.attention.buffers() if b is not None]
     if any(record_for(b) is not None for b in caches):
         raise ValueError("tensor_parallel after dcp.prepare: prepare laid the caches out for the whole heads. Call "

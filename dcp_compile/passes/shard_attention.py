@@ -73,7 +73,9 @@ COMMS = ("ag", "a2a")
 rank merges all heads; ``"a2a"`` sends each rank the partials of its own 1/N of the
 heads (all-to-all), merges those, then all-gathers the merged heads (in the output
 dtype).  a2a moves fewer bytes and merges 1/N of the heads per rank, for a second
-collective per layer; which wins is measured (``benchmarks/bench_merge.py``)."""
+collective per layer; which wins is measured (``benchmarks/bench_merge.py``).  Inside
+TP (``heads_split``) each rank merges only its own heads either way: ``"a2a"`` is the
+all-to-all alone, ``"ag"`` an all-gather of which each rank keeps its block."""
 
 
 @dataclass(frozen=True)

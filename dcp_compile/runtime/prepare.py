@@ -28,17 +28,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.fx import Node
 
 from dcp_compile.group import DCPGroup, gather_from_ranks
 from dcp_compile.layout import KVLayout
 from dcp_compile.memory import CapacityError, GiB
 from dcp_compile.ops.guard import guard
-from dcp_compile.passes.check import is_collective
 from dcp_compile.passes.find import Plan, find
 from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_table
 from dcp_compile.runtime.discovery import default_example_inputs, discover, replace_tensor
+from dcp_compile.runtime.peers import check_peers_hold_the_same_kv
 
 
 @dataclass(frozen=True)
@@ -296,56 +295,6 @@ def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str
     return mask_names
 
 
-def kv_weights(gm, plan: Plan, inputs, weights: dict[int, tuple]) -> dict[str, torch.Tensor]:
-    """The parameters the cached keys and values are computed from within this rank
-    (the graph walked back from every KV write, stopping at collectives): under TP, the
-    KV projections, the norms and the embedding, not the heads of other layers, whose
-    outputs reach the residual stream only through an all-reduce."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    found, seen, stack = {}, set(), [w.value for w in plan.writes]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, Node) or node in seen:
-            continue
-        seen.add(node)
-        if is_collective(node):
-            continue
-        if node in placeholders and id(inputs[placeholders[node]]) in weights:
-            name, tensor = weights[id(inputs[placeholders[node]])]
-            found[name] = tensor
-        stack.extend(node.all_input_nodes)
-    return dict(sorted(found.items()))
-
-
-def _fingerprint_values(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Two float64 sums (plain, and weighted by a fixed sequence), enough to tell
-    different slices of a weight apart without moving the weight."""
-    flat = tensor.detach().reshape(-1).double()
-    weight = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
-    return torch.stack([flat.sum(), (flat * weight).sum()]).to(device)
-
-
-def _check_peers_hold_the_same_kv(group: DCPGroup, gm, plan: Plan, inputs, weights) -> None:
-    """Inside TP the D ranks of a DCP group shard one copy of the same KV heads by token:
-    refuse, on every rank together, ranks whose KV comes from different weights (whoever
-    sharded the model)."""
-    tensors = kv_weights(gm, plan, inputs, weights)
-    if not tensors:
-        return
-    prints = torch.stack([_fingerprint_values(t, group.device) for t in tensors.values()])
-    everyone = gather_from_ranks(group, prints, dcp_only=True)
-    differ = [r for r, p in enumerate(everyone) if not torch.equal(p, everyone[0])]
-    if differ:
-        names = [n for i, n in enumerate(tensors) if any(not torch.equal(p[i], everyone[0][i]) for p in everyone)]
-        raise ValueError(
-            f"the ranks of this DCP group compute their KV caches from different weights: DCP ranks {differ} differ "
-            f"from DCP rank 0 in {names[:4]}{' ...' if len(names) > 4 else ''}. Inside tensor parallelism (TP size "
-            f"{group.tp_size}, DCP size {group.size}) a DCP group's ranks must hold the same KV heads, which needs "
-            f"D | T/H_kv for GQA (T > H_kv) and D | T for MLA; choose such a DCP size, or shard the KV projections "
-            f"so that the D ranks of each block hold the same heads"
-        )
-
-
 def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens, tree,
                      tree_slots=0) -> bool:
     """Refuse ``prepare``'s arguments before any rank exchanges anything or the model is
@@ -438,7 +387,7 @@ def prepare(
     gm, inputs, owners, weights = discover(model, forward_args, defaulted, max_batch)
     plan = _find_caches(model, gm, sharded)
     if role == "target" and group.size > 1 and group.heads_split:
-        _check_peers_hold_the_same_kv(group, gm, plan, inputs, weights)
+        check_peers_hold_the_same_kv(group, gm, plan, inputs, weights)
     if tree and any(site.latent is not None for site in plan.sites):
         raise GraphPatternError(
             f"{type(model).__name__} attends through MLA's latent cache, whose window takes no tree mask yet: "

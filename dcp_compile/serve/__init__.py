@@ -129,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ:
         ranks = parallel.world_size(args)
         if args.device == "cuda" and torch.cuda.device_count() < ranks:
-            raise SystemExit(f"{ranks} ranks on cuda need {ranks} GPUs, found {torch.cuda.device_count()}")
+            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
         port = free_port()
         if ranks > 1:
             ctx = mp.get_context("spawn")
@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     tree = engine.decoder.tree_shape
     shape = f"k={engine.k}" if tree is None else f"tree k={tree.k} topk={tree.topk} draft_tokens={tree.draft_tokens}"
     print(f"dcp-compile serve: {args.model!r}" + (f" with draft {args.draft!r}" if args.draft else "")
-          + f", {parallel.describe(group)} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
+          + f", {parallel.describe(group, 'DCP group of {}')} on {group.device.type}, max_batch {args.max_batch}, max_seq_len "
           f"{args.max_seq_len}, {shape}, EOS ids {sorted(codec.eos_ids)}; compiling", file=sys.stderr, flush=True)
     _warm_up(engine, codec)
     engine.plan_timeout = args.collective_timeout

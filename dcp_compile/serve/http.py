@@ -62,8 +62,9 @@ def _response(completion: Completion, text: str, reason: str) -> dict:
     return dict(head, object="text_completion", choices=[choice], usage=completion.usage())
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    error = {"message": message, "type": kind} | ({"code": code} if code else {})
+    return JSONResponse({"error": error}, status_code=status)
 
 
 def _unavailable(worker: Frontend) -> JSONResponse | None:
@@ -75,9 +76,9 @@ def _unavailable(worker: Frontend) -> JSONResponse | None:
     return None
 
 
-async def _run(worker: Frontend, request: Request, parse):
-    """One completion request: parsed and checked (400), handed to the engine, and
-    answered whole or as a stream."""
+async def _run(worker: Frontend, request: Request, parse, model_name: str):
+    """One completion request: parsed and checked (400; 404 for a model this server does
+    not serve), handed to the engine, and answered whole or as a stream."""
     unavailable = _unavailable(worker)
     if unavailable is not None:
         return unavailable
@@ -85,6 +86,10 @@ async def _run(worker: Frontend, request: Request, parse):
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as bad:
         return _error(400, f"the body is not valid JSON: {bad}")
+    requested = body.get("model") if isinstance(body, dict) else None
+    if requested is not None and requested != model_name:
+        return _error(404, f"The model {requested!r} does not exist: this server serves {model_name!r} (GET /v1/models)",
+                      code="model_not_found")
     try:
         completion = parse(body)
         worker.check(completion)
@@ -152,11 +157,12 @@ def build_app(worker: Frontend, codec: Codec, model_name: str) -> Starlette:
     started = int(time.time())
 
     async def completions(request: Request):
-        return await _run(worker, request, lambda body: parse_completion(body, model_name, codec))
+        return await _run(worker, request, lambda body: parse_completion(body, model_name, codec), model_name)
 
     async def chat_completions(request: Request):
         context = worker.limits.max_seq_len - worker.limits.k - 1
-        return await _run(worker, request, lambda body: parse_chat(body, model_name, codec, context=context))
+        return await _run(worker, request, lambda body: parse_chat(body, model_name, codec, context=context),
+                          model_name)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [

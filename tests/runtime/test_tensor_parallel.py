@@ -2,8 +2,10 @@
 the target sharded T ways by ``dcp.tensor_parallel`` and its KV copies sharded D ways by
 token gives the tokens and accept counts of one rank running the unsharded model.
 
-All cases share one world of 4 ranks (a case of TP size 2 runs as two replicas)."""
+All cases share one world of 4 ranks (a case of TP size 2 runs as two replicas, each with
+its own DCP size)."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -17,14 +19,20 @@ from tests.runtime.tp_workers import K, Case, reference, tp_cases_worker
 from tests.support import agreeing_pair
 
 WORLD = 4
+# The greedy chain at TP 4 x DCP 2 is examples/tensor_parallel.py's, on the shipped pair.
 CASES = (
-    Case(4, 2),                                        # two KV heads, each on two ranks: DCP shards the copies
-    Case(4, 2, topk=2, draft_tokens=6, temperature=0.8, comm="a2a"),  # a sampled EAGLE-2 tree, partials by all-to-all
+    Case(4, 2, topk=2, draft_tokens=6, temperature=0.8, comm="a2a"),  # two KV heads, each on two ranks; a sampled
+                                                                      # EAGLE-2 tree, partials by all-to-all
     Case(4, 4, kind="mla"),                            # MLA: one latent head on every rank
-    Case(2, 2, kind="mqa"),                            # one KV head, TP=2 x DCP=2
-    Case(2, 1, kind="mqa"),                            # plain TP
+    Case(2, (2, 1), kind="mqa"),                       # one KV head: TP=2 x DCP=2 on ranks 0-1, plain TP on 2-3
 )
 LAYERS = 4
+
+
+def dcp_of(case: Case, rank: int) -> Case:
+    """The case as global ``rank`` ran it: its replica's DCP size."""
+    sizes = case.dcp if isinstance(case.dcp, tuple) else (case.dcp,) * (WORLD // case.tp)
+    return dataclasses.replace(case, dcp=sizes[rank // case.tp])
 
 
 @functools.cache
@@ -37,10 +45,9 @@ def off_arm(case: Case) -> dict:
     return reference(Case(1, 1, case.kind, case.temperature, case.topk, case.draft_tokens))
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"tp{c.tp}-dcp{c.dcp}-{c.kind}-t{c.temperature}-topk{c.topk}"
-                                                          for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
 def test_tokens_and_accept_counts_are_the_unsharded_models(index):
-    case, off = CASES[index], off_arm(CASES[index])
+    off = off_arm(CASES[index])
     ranks = [r["cases"][index] for r in world_run()]
     for rank, result in enumerate(ranks):
         assert result["tokens"] == off["tokens"], f"rank {rank}: tokens differ from the unsharded model's"
@@ -49,10 +56,10 @@ def test_tokens_and_accept_counts_are_the_unsharded_models(index):
     assert len({a for row in off["accepted"] for a in row}) >= 2, "the batch should see several accept counts"
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"tp{c.tp}-dcp{c.dcp}-{c.kind}-{c.comm}" for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
 def test_each_rank_caches_its_kv_heads_and_1_over_d_of_the_slots(index):
-    case = CASES[index]
-    for result in (r["cases"][index] for r in world_run()):
+    for rank, result in enumerate(r["cases"][index] for r in world_run()):
+        case = dcp_of(CASES[index], rank)
         staging = (case.draft_tokens or K) + 1
         slots = 96 // case.dcp + 1 + staging if case.dcp > 1 or case.topk > 1 else 96
         if case.kind == "mla":
@@ -64,19 +71,19 @@ def test_each_rank_caches_its_kv_heads_and_1_over_d_of_the_slots(index):
         assert result["draft_cache"][2] == 96 + tree_slots, "the draft's cache is whole"
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"tp{c.tp}-dcp{c.dcp}-{c.comm}" for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
 def test_collectives_per_attention_site(index):
     """Per layer of a verify graph: the TP all-reduces of attention and MLP with their
     waits; under DCP the queries' all-gather, then the partials' all-gather (ag) or
     all-to-all (a2a), each with its wait."""
-    case = CASES[index]
-    expected = {"all_reduce": 2 * LAYERS, "wait_tensor": 2 * LAYERS}
-    if case.dcp > 1:
-        expected["all_gather_into_tensor"] = LAYERS * (2 if case.comm == "ag" else 1)
-        expected["wait_tensor"] += 2 * LAYERS
-        if case.comm == "a2a":
-            expected["all_to_all_single"] = LAYERS
-    for result in (r["cases"][index] for r in world_run()):
+    for rank, result in enumerate(r["cases"][index] for r in world_run()):
+        case = dcp_of(CASES[index], rank)
+        expected = {"all_reduce": 2 * LAYERS, "wait_tensor": 2 * LAYERS}
+        if case.dcp > 1:
+            expected["all_gather_into_tensor"] = LAYERS * (2 if case.comm == "ag" else 1)
+            expected["wait_tensor"] += 2 * LAYERS
+            if case.comm == "a2a":
+                expected["all_to_all_single"] = LAYERS
         assert result["verify_collectives"] == [expected]
 
 

@@ -14,7 +14,8 @@ from dcp_compile.group import tp_dcp_groups
 @dataclass(frozen=True)
 class Case:
     tp: int
-    dcp: int
+    dcp: int | tuple[int, ...]
+    """One DCP size for every replica of the world, or one per replica."""
     kind: str = "eagle3"
     """``SPEC_FIXTURES`` key: the agreeing pair's target (``"mla"``: latent attention)."""
     temperature: float = 0.0
@@ -22,6 +23,11 @@ class Case:
     draft_tokens: int | None = None
     comm: str = "ag"
     max_new_tokens: int = 24
+
+    @property
+    def name(self) -> str:
+        dcp = "-".join(map(str, self.dcp)) if isinstance(self.dcp, tuple) else self.dcp
+        return f"tp{self.tp}-dcp{dcp}-{self.kind}-t{self.temperature}-topk{self.topk}-{self.comm}"
 
 
 K = 4
@@ -54,7 +60,7 @@ def decode(case: Case, group, *, shard: bool = True) -> dict:
         target_cache=tuple(_first_cache(target).shape), draft_cache=tuple(draft.attention.k_cache.shape),
         draft_unchanged=all(torch.equal(p, draft_weights[n]) for n, p in draft.named_parameters()),
         draft_collectives=decoder.draft_backend.collective_counts,
-        verify_collectives=[_collective_targets(c.graph_module) for c in verify],
+        verify_collectives=[collective_names(c.graph_module) for c in verify],
     )
 
 
@@ -63,7 +69,8 @@ def _first_cache(model) -> torch.Tensor:
     return attention.k_cache if hasattr(attention, "k_cache") else attention.kv_cache
 
 
-def _collective_targets(gm) -> dict[str, int]:
+def collective_names(gm) -> dict[str, int]:
+    """The collectives of a compiled graph, by op name (``all_gather_into_tensor``, ...)."""
     from dcp_compile.passes.check import is_collective
 
     counts: dict[str, int] = {}
@@ -99,7 +106,7 @@ def tp_cases_worker(rank: int, world: int, cases: list[Case]) -> dict:
     results = []
     for case in cases:
         replicas = [list(range(start, start + case.tp)) for start in range(0, world, case.tp)]
-        group = tp_dcp_groups(replicas, case.dcp, device)
+        group = tp_dcp_groups(replicas, list(case.dcp) if isinstance(case.dcp, tuple) else case.dcp, device)
         torch._dynamo.reset()  # each case's models are new: their graphs must not count as recompiles of the last's
         results.append(dict(decode(case, group), tp_rank=group.tp_rank, dcp_rank=group.rank))
     return dict(cases=results, refusal=_refusal_at_prepare(world))
