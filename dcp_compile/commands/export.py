@@ -269,7 +269,12 @@ def export_gguf(file: Path, out: str | Path, *, progress: bool = False) -> dict:
     out = _refuse_existing(out)
     converted = gguf_model.converted(file)
     files = sorted(p for p in converted.iterdir() if p.is_file())
-    gguf_model.publish(out, lambda temp: [shutil.copy2(p, temp / p.name) for p in files])
+
+    def copy_into(temp: Path) -> None:
+        for path in files:
+            shutil.copy2(path, temp / path.name)
+
+    gguf_model.publish(out, copy_into)
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
     report = dict(target=str(out), files=[str(out / p.name) for p in files], target_parameters=parameters,
