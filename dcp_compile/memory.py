@@ -33,6 +33,7 @@ from functools import cached_property
 
 import torch
 
+from dcp_compile.group import check_sizes
 from dcp_compile.layout import KVLayout
 
 GiB = 1 << 30
@@ -59,7 +60,9 @@ def cache_bytes_per_token(cfg, dtype: torch.dtype, tp_size: int = 1) -> int:
     qk_rope_head_dim)`` numbers per layer, whole on every TP rank)."""
     if hasattr(cfg, "kv_lora_rank"):
         return cfg.n_layers * cfg.cache_width * dtype.itemsize
-    return cfg.n_layers * 2 * max(cfg.n_kv_heads // tp_size, 1) * cfg.head_dim * dtype.itemsize
+    from dcp_compile.models.parallel import kv_heads_of
+
+    return cfg.n_layers * 2 * len(kv_heads_of(0, tp_size, cfg.n_kv_heads)) * cfg.head_dim * dtype.itemsize
 
 
 def _param_bytes(module_factory, dtype: torch.dtype, skip: tuple[str, ...] = (), tp_size: int = 1) -> int:
@@ -145,9 +148,7 @@ class MemoryPlanner:
         for name, value in (("dcp_size", dcp_size), ("max_batch", max_batch), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.tp_size > 1 and self.tp_size % dcp_size:
-            raise ValueError(f"DCP size {dcp_size} does not divide TP size {self.tp_size}: DCP groups are blocks of "
-                             f"D ranks inside the TP group")
+        check_sizes(self.tp_size, dcp_size)
         per_slot = cache_bytes_per_token(cfg, self.dtype, self.tp_size)
         slots = kv_slots(max_seq_len, dcp_size, self.interleave, self.verify_tokens, self.tree)
         target_weights, draft_bytes = self._weight_bytes

@@ -25,7 +25,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from dcp_compile.group import DCPGroup
+from dcp_compile.group import DCPGroup, check_sizes
 from dcp_compile.records import record_for
 from dcp_compile.models.eagle import EagleDraft
 from dcp_compile.models.llama import Attention, DecoderStack, FeedForward
@@ -94,9 +94,7 @@ def check_layout(*, n_heads: int, n_kv_heads: int | None, intermediate_size: int
                          f"use a TP size that divides {n_heads}")
     if intermediate_size % tp:
         raise ValueError(f"TP size {tp} does not divide the MLP width {intermediate_size}; use one that divides it")
-    if tp % dcp:
-        raise ValueError(f"DCP size {dcp} does not divide TP size {tp}: DCP groups are blocks of D ranks inside the "
-                         f"TP group")
+    check_sizes(tp, dcp)
     if n_kv_heads is None:
         return
     if tp <= n_kv_heads:
