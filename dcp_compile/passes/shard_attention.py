@@ -217,7 +217,7 @@ def _exchange_and_merge(graph, packed, window_attention, layout: KVLayout, group
     return out, window, [send, exchanged, merged, gathered]
 
 
-def _gather_heads_exchange_and_merge(graph, site: AttentionSite, query, prefix_attention, window_attention,
+def _gather_heads_exchange_and_merge(graph, query, prefix_attention, window_attention,
                                      layout: KVLayout, group_name: str, comm: str, out_dtype: torch.dtype):
     """The site inside TP, where the DCP peers hold the same KV and different query heads:
     gather the peers' queries, attend to the local shard for all of them, and hand each
@@ -277,7 +277,7 @@ def _rewrite_site(gm: GraphModule, site: AttentionSite, layout: KVLayout, group_
 
         if heads_split and layout.size > 1:
             out, prefix, packed, window, comm_nodes = _gather_heads_exchange_and_merge(
-                graph, site, query, prefix_attention, window_attention, layout, group_name, comm, out_dtype)
+                graph, query, prefix_attention, window_attention, layout, group_name, comm, out_dtype)
         else:
             prefix = prefix_attention(query)
             packed = graph.call_function(
