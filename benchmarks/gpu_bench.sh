@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_bench.sh specloop          # one GPU: the speculative loop against its captured graphs
 #   bash benchmarks/gpu_bench.sh compile           # the demo's compile times: DCP=$NPROC cold, warm restart, DCP=1 cold
 #   bash benchmarks/gpu_bench.sh gatebf16 gatesampled  # `dcp-compile gate` at DCP=$NPROC, bf16, 256 prompts
+#   bash benchmarks/gpu_bench.sh tpkernel          # one GPU: the prefix kernels at TP x DCP's gathered-head shapes
+#                      # (16:1 and 8:1 against 32:8; the latent kernel at H=16 and H=128), 32K and beyond
 #   bash benchmarks/gpu_bench.sh mlasweep mlakernel    # one GPU: the latent kernel's tiles; it against einsum, SDPA, copy
 #   bash benchmarks/gpu_bench.sh mlagate mlae2e        # MLA: the bf16 gate at DCP=$NPROC (512 prompts, greedy and
 #                      # sampled); the V2-Lite-shaped decode/verify step at DCP=$NPROC against one GPU
@@ -108,6 +110,14 @@ for what in "$@"; do
               --dtype bfloat16 --prompts 256 --json ;;
     gatesampled) single gatesampled "${GATE_SECONDS:-300}" python3 -m dcp_compile.cli gate --dcp "$NPROC" --device cuda \
               --dtype bfloat16 --prompts 256 --temperature 0.8 --json ;;
+    tpkernel) for heads in 16:1 8:1 32:8; do
+                single "k${heads/:/_}" "${TPKERNEL_SECONDS:-110}" python3 benchmarks/bench_kernel.py --heads "$heads" \
+                  --contexts 32768 65536 131072 --batches 1 8 --arms ours sdpa copy --fill --out "$OUT/k${heads/:/_}.json"
+              done
+              single mla "${TPKERNEL_SECONDS:-110}" python3 benchmarks/bench_latent_kernel.py --points 0 1 2 3 4 10 11 \
+                --arms ours copy --out "$OUT/mla.json"
+              for log in k16_1 k8_1 k32_8 mla; do echo "== $log"; grep -v -i -e warn -e "^{" "$OUT/$log.log" | tail -n 14; done
+              continue ;;
     mlasweep) single mlasweep "${MLASWEEP_SECONDS:-300}" python3 benchmarks/bench_latent_kernel.py --sweep \
               --out "$OUT/mla_sweep.json" ;;
     mlakernel) single mlakernel "${MLAKERNEL_SECONDS:-240}" python3 benchmarks/bench_latent_kernel.py \
@@ -118,11 +128,12 @@ for what in "$@"; do
               --contexts 32768,65536,131072,262144,524288 --batches 8,32 --verify-batches 8,32 --edge 32:262144 \
               --out "$OUT/mla_e2e.json" ${MLAE2E_ARGS:-} ;;
     *) echo "unknown phase $what (parity, suite, merge, e2e, gate, kernel, demo, gputests, prefillkernels,"\
-            "draft, prefill, long, specloop, compile, gatebf16, gatesampled, mlasweep, mlakernel, mlagate, mlae2e)"
+            "draft, prefill, long, specloop, compile, gatebf16, gatesampled, tpkernel, mlasweep, mlakernel, mlagate, mlae2e)"
        exit 2 ;;
   esac
 done
 for what in "$@"; do
+  [ -f "$OUT/$what.log" ] || continue
   echo "== $what: last lines"
   grep -v -i -e warn -e "^{" "$OUT/$what.log" | tail -n 25
 done

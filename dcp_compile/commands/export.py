@@ -180,14 +180,14 @@ def _target_tensors(target: Llama) -> dict[str, torch.Tensor]:
     return _renamed(target.state_dict(), names, heads)
 
 
-def _draft_tensors(draft: EagleDraft, target: Llama) -> dict[str, torch.Tensor]:
+def _draft_tensors(draft: EagleDraft, target_embedding: torch.Tensor) -> dict[str, torch.Tensor]:
     layer = draft.cfg.shapes  # the draft layer's own heads (a pair of this package: the target's)
     state = draft.state_dict()
     embed = state.pop("embed.weight")
     names = {k: v for k, v in _published(EAGLE3_NAMES).items() if k in state}
     tensors = _renamed(state, names, {"midlayer.self_attn.q_proj.weight": layer.n_heads,
                                       "midlayer.self_attn.k_proj.weight": layer.n_kv_heads})
-    if not torch.equal(embed, target.tok_embeddings.weight):
+    if not torch.equal(embed, target_embedding.to(embed.device, embed.dtype)):
         # Loaders use the target's embedding unless the draft brings its own.
         tensors["embed_tokens.weight"] = embed.detach().cpu().contiguous()
     d2t = tensors["d2t"]
@@ -219,7 +219,8 @@ def _target_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
     )
 
 
-def _draft_config(draft: EagleDraft) -> dict:
+def _draft_config(draft: EagleDraft, *, eos_token_id=EOS_ID, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
+                  dtype: str = "bfloat16") -> dict:
     target, layer = draft.cfg.target, draft.cfg.shapes
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -239,12 +240,12 @@ def _draft_config(draft: EagleDraft) -> dict:
         # whatever the target uses.
         "rope_theta": layer.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": layer.rope_theta},
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": False,
         "bias": draft.cfg.fc_bias,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": EOS_ID,
-        "torch_dtype": "bfloat16",
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0],
+        "torch_dtype": dtype,
         **({"target_hidden_size": target.dim} if layer.dim != target.dim else {}),
         **_feature_layer_keys(target.aux_layers, target.n_layers),
     }
@@ -308,7 +309,7 @@ def export_pair(name_or_path: str | Path, out: str | Path, *, progress: bool = F
             raise ValueError(f"{directory}'s {what} scales its RoPE ({scaling}); export writes plain RoPE only")
     target, draft = load_pair(directory, max_batch=1, max_seq_len=1, dtype=torch.bfloat16)
     target_tensors = _target_tensors(target)
-    draft_tensors = _draft_tensors(draft, target)
+    draft_tensors = _draft_tensors(draft, target.tok_embeddings.weight)
     draft_config = _draft_config(draft)
 
     target_dir, draft_dir = out / "target", out / "draft"
@@ -339,3 +340,61 @@ def export_pair(name_or_path: str | Path, out: str | Path, *, progress: bool = F
               f"tokenizer)")
         print(f"draft:  {draft_dir} (EAGLE3, {report['draft_parameters'] / 1e6:.2f} M parameters, {embedding})")
     return report
+
+
+def write_eagle3_draft(draft: EagleDraft, target, out: str | Path, *, record: dict, history: dict) -> dict:
+    """Write an EAGLE3 draft trained for the Hugging Face model ``target`` into ``out`` in
+    the published layout (bf16 ``model.safetensors``, ``config.json``), with its training
+    record (``training.json``) and a model card (``README.md``).  Each file is written
+    under a temporary name and renamed, ``config.json`` last, so a reader never finds a
+    config over missing or partial weights."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    text = target.config.get_text_config(decoder=True)
+    eos = target.generation_config.eos_token_id if getattr(target, "generation_config", None) else None
+    eos = eos if eos is not None else text.eos_token_id
+    tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+               for name, t in _draft_tensors(draft, target.get_input_embeddings().weight).items()}
+    config = _draft_config(draft, eos_token_id=eos,
+                           max_position_embeddings=getattr(text, "max_position_embeddings", MAX_POSITION_EMBEDDINGS))
+    files = {
+        "model.safetensors": lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+        "training.json": lambda path: path.write_text(json.dumps(dict(record, history=history)) + "\n"),
+        "README.md": lambda path: path.write_text(draft_card(record)),
+        "config.json": lambda path: path.write_text(json.dumps(config, indent=2) + "\n"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, write in files.items():
+        temp = out / f".{name}.partial"
+        write(temp)
+        temp.replace(out / name)
+    return dict(draft=str(out), parameters=sum(t.numel() for t in tensors.values() if t.is_floating_point()))
+
+
+def draft_card(record: dict) -> str:
+    """The model card of a draft ``dcp-compile train-draft`` wrote, from its record."""
+    s = record["settings"]
+    lines = [
+        f"# EAGLE3 draft for {Path(record['model']).name}",
+        "",
+        "Trained by `dcp-compile train-draft`; the published EAGLE3 layout (`EAGLE_FORMATS.md`), read by",
+        "`EagleDraft.from_pretrained` and by `dcp-compile demo/serve/eval --draft`.",
+        "",
+        f"- **Target:** `{record['model']}`; features: the hidden states entering layers {record['feature_layers']}.",
+        f"- **Data:** {record['conversations']} chat prompts built from the Python standard library's documented "
+        f"functions (train split), answered greedily by the target ({record['answer_tokens']} answer tokens, "
+        f"{record['tokens']} tokens in all).",
+        f"- **Draft vocabulary:** the {record['draft_vocab']} ids the conversations use most.",
+        f"- **Training:** {s['steps']} steps of {s['batch']} conversations (up to {s['max_len']} tokens), "
+        f"{s['ttt_steps']} unrolled steps, AdamW at {s['lr']}, started from the target's layer "
+        f"{record['feature_layers'][-1]} and LM head.",
+        f"- **Time:** {record['seconds'] / 60:.1f} min on {record['device']} ({record['generate_seconds'] / 60:.1f} min "
+        f"generating the answers).",
+        f"- **Top-1 agreement with the target** over the last 20 steps, by unrolled step: {record['final_agreement']}.",
+    ]
+    if "acceptance" in record:
+        a = record["acceptance"]
+        lines.append(f"- **Mean accept length:** {a['mean_accept_length']:.2f} at k={a['k']} (greedy, "
+                     f"{'chain' if a['topk'] == 1 else 'tree'}) on {a['prompts']} held-out chat prompts.")
+    return "\n".join(lines) + "\n"

@@ -315,13 +315,15 @@ def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None
 def measure_acceptance(
     model, *, device="cpu", k: int = 4, topk: int = 1, draft_tokens: int | None = None, n_prompts: int = 32,
     prompt_bytes: int = 192, new_tokens: int = 128, batch: int = 16, lowering: str = "aot_eager",
+    prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts",
 ) -> dict:
     """Greedy EAGLE decoding of held-out prompts on one rank: mean accept length at depth
     ``k``, drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree.
 
     ``model``: a shipped name or checkpoint directory, or a ``loading.ModelSpec`` (a
     Hugging Face model with its draft: the prompts are the same text through its
-    tokenizer)."""
+    tokenizer).  ``prompts`` (token ids, described by ``prompt_kind``) replace the held-out
+    files: ``draft_training.evaluation_prompts`` gives a chat model's."""
     import dcp_compile as dcp
     from dcp_compile.commands import loading
     from dcp_compile.runtime.tree import default_draft_tokens
@@ -329,7 +331,11 @@ def measure_acceptance(
     spec = model if isinstance(model, loading.ModelSpec) else loading.resolve(str(model))
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    prompts = held_out_prompts(n_prompts, prompt_bytes, codec=None if spec.kind == loading.PAIR else loading.codec(spec))
+    codec = None if spec.kind == loading.PAIR else loading.codec(spec)
+    if prompts is None:
+        prompts, kind = held_out_prompts(n_prompts, prompt_bytes, codec=codec), "held-out standard-library files"
+    else:
+        prompts, kind = prompts[:n_prompts], prompt_kind
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
     target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
     group = dcp.DCPGroup(1, 0, device, None)
@@ -338,9 +344,10 @@ def measure_acceptance(
                               max_seq_len=max_seq_len, lowering=lowering)
     accepted = []
     for start in range(0, n_prompts, batch):
-        for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens):
+        for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens,
+                                    stop_ids=sorted(getattr(codec, "eos_ids", ()))):
             accepted += out.accepted
-    return dict(k=k, topk=topk, draft_tokens=draft_tokens, prompts=n_prompts, prompt_bytes=prompt_bytes,
+    return dict(k=k, topk=topk, draft_tokens=draft_tokens, prompts=n_prompts, prompt_kind=kind, prompt_bytes=prompt_bytes,
                 new_tokens=new_tokens, verify_steps=len(accepted),
                 mean_accept_length=sum(a + 1 for a in accepted) / len(accepted),
                 accept_histogram=[accepted.count(i) for i in range(k + 1)])
