@@ -20,7 +20,7 @@ import sys
 import torch
 
 from dcp_compile.commands import parallel
-from dcp_compile.commands.arms import demo, gate_command
+from dcp_compile.commands.arms import demo, eval_command, gate_command
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE
 
 MODEL_HELP = ("a shipped name (tiny-code), a `dcp-compile train` directory, a Hugging Face causal-LM directory "
@@ -128,18 +128,6 @@ def export_command(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         parser.error(f"export --model {args.model!r} --out {args.out!r}: {err}")
     print(json.dumps(written, default=str))
-    return 0
-
-
-def eval_command(args: argparse.Namespace) -> int:
-    from dcp_compile.commands import draft_training, training
-
-    result = training.measure_acceptance(
-        args.spec, device=args.device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens,
-        n_prompts=args.prompts, new_tokens=args.max_new_tokens, lowering=args.lowering,
-        **draft_training.evaluation_prompts(args.spec, args.prompts),
-    )
-    print(json.dumps(result))
     return 0
 
 
@@ -329,6 +317,8 @@ def _add_train_eval_export(sub) -> None:
                                     "prompts for a model with a chat template)")
     e.add_argument("--model", default="tiny-code", help=MODEL_HELP)
     e.add_argument("--draft", help=DRAFT_HELP)
+    e.add_argument("--dcp", type=int, default=1, help="DCP group size when spawning ranks (default 1: one rank)")
+    parallel.add_tp_argument(e)
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_tree_arguments(e, 4)
     e.add_argument("--prompts", type=int, default=32)
@@ -405,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"or pass --device cpu")
     if args.command in ("demo", "gate", "eval", "serve"):
         args.spec = _resolve_model(parser, args)
-    if args.command in ("demo", "gate", "serve"):
+    if args.command in ("demo", "gate", "eval", "serve"):
         parallel.check_tp(parser, args, args.spec)
     if args.command == "export":
         return export_command(parser, args)
@@ -426,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"eval measures a draft's accept length: --model {args.model!r} needs --draft DIR")
         if args.k < 1:
             parser.error(f"eval measures a draft's accept length at a depth --k >= 1, got --k {args.k}")
+        if args.dcp < 1:
+            parser.error(f"--dcp must be >= 1, got {args.dcp}")
         _check_tree(parser, args, drafted=True)
         return eval_command(args)
     if args.command == "gate":

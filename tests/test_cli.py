@@ -86,7 +86,7 @@ def test_a_tree_without_draft_tokens_verifies_the_default_nodes(capsys):
     assert "tree k=6 topk=4 draft_tokens=16" in capsys.readouterr().out
 
 
-def test_eval_of_a_tree_names_its_shape_and_accepts_within_the_depth(capsys):
+def test_eval_of_a_tree_names_its_shape_accepts_within_the_depth_and_is_the_same_under_tp(capsys):
     assert main(["eval", "--k", "4", "--topk", "2", "--draft-tokens", "6", "--prompts", "2",
                  "--max-new-tokens", "16", "--lowering", "aot_eager"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -95,6 +95,13 @@ def test_eval_of_a_tree_names_its_shape_and_accepts_within_the_depth(capsys):
     histogram = result["accept_histogram"]
     assert len(histogram) == 4 + 1 and sum(histogram) == result["verify_steps"] > 0
     assert 1 <= result["mean_accept_length"] <= 4 + 1
+    # The same measure with the target sharded TP 4 x DCP 2 over spawned ranks: fp32 decoding
+    # is exact, so every step accepts what it accepted on one rank.
+    assert main(["eval", "--tp", "4", "--dcp", "2", "--k", "4", "--topk", "2", "--draft-tokens", "6", "--prompts",
+                 "2", "--max-new-tokens", "16", "--lowering", "aot_eager"]) == 0
+    sharded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sharded.pop("layout") == "TP 4 x DCP 2" and result.pop("layout") == "DCP 1"
+    assert sharded == result
 
 
 @pytest.mark.parametrize("command", ["demo", "gate", "eval", "serve", "plan"])
@@ -165,19 +172,29 @@ def test_tp_under_a_torchrun_world_of_another_size_is_a_usage_error(monkeypatch,
     assert "--tp 4 needs a world of 4 ranks (one TP group), but torchrun started 2" in capsys.readouterr().err
 
 
-def test_tp_of_a_hugging_face_directory_names_the_route_that_works(capsys):
+@pytest.mark.parametrize("family, options, found", [
+    ("Qwen2Config", {}, "model_type 'qwen2' (not 'llama')"),
+    ("LlamaConfig", {"attention_bias": True}, "attention_bias=True"),
+    ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "RoPE scaling of type 'yarn'"),
+])
+def test_tp_of_a_hugging_face_model_llama_does_not_compute_names_the_route_that_works(family, options, found, tmp_path,
+                                                                                       capsys):
+    """A Hugging Face Llama loads as the package's Llama under --tp (test_gguf: SmolLM2 at
+    --tp 3); any other model is refused by what does not fit, with the route."""
     import argparse
-    from pathlib import Path
     from types import SimpleNamespace
+
+    import transformers
 
     from dcp_compile.commands import parallel
 
+    getattr(transformers, family)(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                  intermediate_size=64, vocab_size=256, **options).save_pretrained(tmp_path)
     parser = argparse.ArgumentParser(prog="dcp-compile")
-    args = SimpleNamespace(tp=2, dcp=1, device="cpu")
     with pytest.raises(SystemExit):
-        parallel.check_tp(parser, args, SimpleNamespace(kind="hf", path=Path("/models/llama")))
+        parallel.check_tp(parser, SimpleNamespace(tp=2, dcp=1, device="cpu"), SimpleNamespace(kind="hf", path=tmp_path))
     err = capsys.readouterr().err
-    assert "not the Hugging Face model '/models/llama'" in err and "serve it with --dcp alone" in err
+    assert found in err and "serve it with --dcp alone" in err and "shards this package's own Llama" in err
 
 
 def test_plan_prices_a_rank_of_tp(capsys):

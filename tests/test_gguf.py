@@ -183,10 +183,29 @@ def _greedy_at_dcp(rank: int, size: int, spec: loading.ModelSpec, prompt: list[i
     return dict(tokens=out.tokens, all_gathers=[sum(n.target is ALL_GATHER for n in g.nodes) for g in graphs])
 
 
-def test_greedy_chat_at_dcp_2_is_transformers_generate_on_the_gguf(smollm2):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+def _greedy_at_tp(rank: int, size: int, spec: loading.ModelSpec, prompt: list[int], new_tokens: int) -> dict:
+    """SmolLM2 as the package's Llama, its 9 query heads over 3 KV heads split 3 ways."""
+    import dcp_compile as dcp
 
-    from dcp_compile.runtime.launch import spawn_ranks
+    group = dcp.init_group("cpu", tp=size, dcp=1)
+    max_seq_len = len(prompt) + new_tokens + 1
+    target, _ = loading.load(spec, max_batch=1, max_seq_len=max_seq_len, native=True)
+    dcp.tensor_parallel(target, group)
+    decoder = dcp.SpecDecoder(target, None, group, k=0, topk=1, draft_tokens=0, max_batch=1, max_seq_len=max_seq_len,
+                              lowering="aot_eager")
+    out = dcp.generate_all(decoder, [prompt], new_tokens, stop_ids=loading.codec(spec).eos_ids)[0]
+    graphs = [c.graph_module.graph for b in (decoder.target_backend, decoder.verify_backend) if b for c in b.compiled]
+    reduces = [sum("all_reduce" in str(n.target) for n in g.nodes if n.op == "call_function") for g in graphs]
+    attention = target.layers[0].attention
+    return dict(tokens=out.tokens, all_reduces=reduces,
+                heads=(attention.n_local_heads, attention.n_local_kv_heads, tuple(attention.k_cache.shape)))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """The templated chat prompt and transformers' own greedy ``generate()`` reply, on the
+    GGUF as transformers reads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     file = smollm2.source
     options = dict(gguf_file=file.name, local_files_only=True)
@@ -204,7 +223,26 @@ def test_greedy_chat_at_dcp_2_is_transformers_generate_on_the_gguf(smollm2):
                              max_new_tokens=NEW_TOKENS, do_sample=False)
     expected = out[0, len(ids):].tolist()
     assert len(expected) == NEW_TOKENS and 2 not in expected, "a reply longer than the window: no EOS to align"
+    return ids, expected
 
+
+def test_greedy_chat_at_tp_3_is_transformers_generate_on_the_gguf(smollm2, reference):
+    from dcp_compile.runtime.launch import spawn_ranks
+
+    ids, expected = reference
+    start = time.perf_counter()
+    ranks = spawn_ranks(_greedy_at_tp, 3, smollm2, ids, NEW_TOKENS, timeout=600)
+    print(f"TP=3 ranks (load, compile, decode): {time.perf_counter() - start:.1f}s")
+    assert [r["tokens"] for r in ranks] == [expected] * 3
+    assert ranks[0]["heads"] == (3, 1, (1, 1, len(ids) + NEW_TOKENS + 1, 64)), \
+        "3 of 9 query heads and 1 of 3 KV heads a rank; the cache: that KV head, every position (DCP 1)"
+    assert ranks[0]["all_reduces"] == [60, 60], "prefill and decode graphs: attention and MLP all-reduce per layer"
+
+
+def test_greedy_chat_at_dcp_2_is_transformers_generate_on_the_gguf(smollm2, reference):
+    from dcp_compile.runtime.launch import spawn_ranks
+
+    ids, expected = reference
     codec = loading.codec(smollm2)
     prompt = codec.chat_ids(MESSAGES)
     assert prompt == ids, "the package's chat template and tokenizer are the GGUF's"

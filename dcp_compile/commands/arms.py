@@ -90,7 +90,7 @@ def _decoder(args, group, *, max_batch: int, max_seq_len: int):
     from dcp_compile.commands import loading
 
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
-                                 dtype=_dtype(args, group.device))
+                                 dtype=_dtype(args, group.device), native=parallel.native(args))
     parallel.shard(target, group)
     return dcp.SpecDecoder(target, draft, group, **_shape(args), max_batch=max_batch, max_seq_len=max_seq_len,
                            temperature=args.temperature, seed=args.seed, lowering=args.lowering,
@@ -229,6 +229,27 @@ def _on_ranks(rank_fn, args: argparse.Namespace, timeout: float):
     if args.device == "cuda" and torch.cuda.device_count() < ranks:
         raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
     return spawn_ranks(rank_fn, ranks, args, timeout=timeout)[0]
+
+
+def _eval_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
+    from dcp_compile.commands import draft_training, training
+
+    device = _device(args.device)
+    group = parallel.join(args, device)
+    result = training.measure_acceptance(
+        args.spec, device=device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens, n_prompts=args.prompts,
+        new_tokens=args.max_new_tokens, lowering=args.lowering, group=group,
+        **draft_training.evaluation_prompts(args.spec, args.prompts),
+    )
+    return dict(result, layout=parallel.describe(group, "DCP {}")) if group.replica_rank == 0 else None
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """``dcp-compile eval``: the accept length, on the ranks of ``--tp`` / ``--dcp``."""
+    result = _on_ranks(_eval_rank, args, timeout=3600)
+    if result is not None:
+        print(json.dumps(result))
+    return 0
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -150,20 +150,30 @@ def _check_draft(draft: Path, config) -> None:
 
 
 def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",
-         dtype: torch.dtype = torch.float32):
+         dtype: torch.dtype = torch.float32, native: bool = False):
     """``(target, draft or None)``, in eval mode, on ``device``, with caches for
-    ``max_batch`` rows of ``max_seq_len`` positions."""
+    ``max_batch`` rows of ``max_seq_len`` positions.  ``native``: a Hugging Face or GGUF
+    Llama as this package's own ``Llama`` (``hf.native``), which ``dcp.tensor_parallel``
+    shards, rather than through transformers."""
     if spec.kind == PAIR:
         from dcp_compile.models.pretrained import load_pair
 
         return load_pair(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+    from transformers import AutoConfig
+
     from dcp_compile.hf import DCPCausalLM, load_causal_lm
+    from dcp_compile.hf.native import load_llama
     from dcp_compile.models.eagle import EagleDraft
     from dcp_compile.models.eagle_checkpoint import feature_layers
 
-    model = load_causal_lm(spec.path, device=device, dtype=dtype)
-    aux = () if spec.draft is None else feature_layers(spec.draft, model.config.get_text_config(decoder=True))
-    target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux).eval()
+    config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
+    aux = () if spec.draft is None else feature_layers(spec.draft, config.get_text_config(decoder=True))
+    if native:
+        target = load_llama(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux, dtype=dtype,
+                            device=device)
+    else:
+        model = load_causal_lm(spec.path, device=device, dtype=dtype)
+        target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux).eval()
     if spec.draft is None:
         return target, None
     return target, EagleDraft.from_pretrained(spec.draft, target, dtype=dtype, device=device).eval()

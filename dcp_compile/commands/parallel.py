@@ -45,10 +45,14 @@ def check_tp(parser: argparse.ArgumentParser, args: argparse.Namespace, spec=Non
         parser.error(f"--tp {args.tp} needs a world of {args.tp} ranks (one TP group), but torchrun started {world}; "
                      f"launch with `torchrun --nproc-per-node {args.tp} ...`")
     if spec is not None and spec.kind != "pair":
-        parser.error(f"--tp {args.tp}: dcp.tensor_parallel shards this package's own models (a shipped name or a "
-                     f"`dcp-compile train` directory), not the Hugging Face model {str(spec.path)!r}; serve it with "
-                     f"--dcp alone (every rank holding the weights), or shard it with transformers' own TP and drive "
-                     f"dcp.prepare / dcp.backend from Python (docs/tensor-parallel.md)")
+        from transformers import AutoConfig
+
+        from dcp_compile.hf.native import check
+
+        try:
+            check(AutoConfig.from_pretrained(str(spec.path), local_files_only=True))
+        except (OSError, ValueError) as error:
+            parser.error(f"--tp {args.tp}: {str(spec.path)!r}: {error}")
     if args.device == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < args.tp:
         parser.error(f"--tp {args.tp} on cuda needs {args.tp} GPUs, found {torch.cuda.device_count()}")
 
@@ -60,6 +64,13 @@ def join(args: argparse.Namespace, device, **options):
     if args.tp > 1:
         return dcp.init_group(device, tp=args.tp, dcp=args.dcp, **options)
     return dcp.init_group(device, **options)
+
+
+def native(args: argparse.Namespace) -> bool:
+    """Whether a Hugging Face or GGUF model loads as the package's own ``Llama``: under
+    ``--tp``, where ``dcp.tensor_parallel`` shards it (every arm alike, so the arms compare
+    one computation)."""
+    return getattr(args, "tp", 1) > 1
 
 
 def shard(target, group):

@@ -315,17 +315,18 @@ def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None
 def measure_acceptance(
     model, *, device="cpu", k: int = 4, topk: int = 1, draft_tokens: int | None = None, n_prompts: int = 32,
     prompt_bytes: int = 192, new_tokens: int = 128, batch: int = 16, lowering: str = "aot_eager",
-    prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts",
+    prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts", group=None,
 ) -> dict:
-    """Greedy EAGLE decoding of held-out prompts on one rank: mean accept length at depth
-    ``k``, drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree.
+    """Greedy EAGLE decoding of held-out prompts: mean accept length at depth ``k``,
+    drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree; on one rank, or on
+    this rank of ``group`` (the target sharded over its TP ranks, its KV over its DCP ranks).
 
     ``model``: a shipped name or checkpoint directory, or a ``loading.ModelSpec`` (a
     Hugging Face model with its draft: the prompts are the same text through its
     tokenizer).  ``prompts`` (token ids, described by ``prompt_kind``) replace the held-out
     files: ``draft_training.evaluation_prompts`` gives a chat model's."""
     import dcp_compile as dcp
-    from dcp_compile.commands import loading
+    from dcp_compile.commands import loading, parallel
     from dcp_compile.runtime.tree import default_draft_tokens
 
     spec = model if isinstance(model, loading.ModelSpec) else loading.resolve(str(model))
@@ -337,8 +338,11 @@ def measure_acceptance(
     else:
         prompts, kind = prompts[:n_prompts], prompt_kind
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
-    target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
-    group = dcp.DCPGroup(1, 0, device, None)
+    target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
+                                 native=group is not None and group.tp_size > 1)
+    if group is None:
+        group = dcp.DCPGroup(1, 0, device, None)
+    parallel.shard(target, group)
     draft_tokens = default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens
     decoder = dcp.SpecDecoder(target, draft, group, k=k, topk=topk, draft_tokens=draft_tokens, max_batch=batch,
                               max_seq_len=max_seq_len, lowering=lowering)
