@@ -256,7 +256,9 @@ def _add_demo(sub) -> None:
     d.add_argument("--max-new-tokens", type=int, default=160)
     d.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"prompt tokens per prefill step (default {DEFAULT_CHUNK_SIZE}; capped at the cache)")
-    d.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: three code prompts")
+    d.add_argument("--prompt", action="append",
+                   help="a prompt (repeat for a batch); a user message for a model with a chat template; default: "
+                        "three code prompts, or three chat requests")
     d.add_argument("--model", default="tiny-code", help=MODEL_HELP)
     d.add_argument("--draft", help=DRAFT_HELP)
     d.add_argument(

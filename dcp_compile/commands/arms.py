@@ -21,6 +21,12 @@ DEMO_PROMPTS = (
     'import os\n\n\ndef list_python_files(root):\n    """',
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
 )
+CHAT_PROMPTS = (
+    "Write a Python function that reverses a string.",
+    "How do I read a JSON file in Python? Show a short example.",
+    "Explain what a Python list comprehension is, with one example.",
+)
+"""The demo's prompts for a model with a chat template: each is one user message."""
 
 
 def _text(codec, tokens) -> str:
@@ -164,8 +170,9 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     group = parallel.join(args, device)
     talk = group.replica_rank == 0 and not args.json
     args.codec = codec = loading.codec(args.spec)
-    texts = args.prompt or DEMO_PROMPTS
-    prompts = [codec.encode(p) for p in texts]
+    chat = getattr(codec, "has_chat_template", False)
+    texts = args.prompt or (CHAT_PROMPTS if chat else DEMO_PROMPTS)
+    prompts = [codec.chat_ids([{"role": "user", "content": p}]) if chat else codec.encode(p) for p in texts]
     shape = _shape(args)
     k = shape["k"]
     if talk:
@@ -180,7 +187,8 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         if talk and request == 0:
             print(streamed.push(new_tokens), end="", flush=True)
 
-    header = f"--- prompt 0, streamed from the DCP arm ---\n{texts[0]}"
+    shown = [f"user: {t}\nassistant: " if chat else t for t in texts]
+    header = f"--- prompt 0, streamed from the DCP arm ---\n{shown[0]}"
     dcp_arm = _run_arm(f"DCP arm, {parallel.describe(group, 'size {}')}", group, args, prompts, talk, stream, header)
     if group.replica_rank != 0:
         return None
@@ -193,7 +201,7 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     verdict = gate.evaluate([o.tokens for o in dcp_out], [o.accepted for o in dcp_out], [o.tokens for o in off_out],
                             [o.accepted for o in off_out], k=k, dtype=str(_dtype(args, device)).split(".")[-1])
     if talk:
-        for i, (prompt, out) in enumerate(zip(texts[1:], dcp_out[1:]), start=1):
+        for i, (prompt, out) in enumerate(zip(shown[1:], dcp_out[1:]), start=1):
             print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
         for label, arm in ((f"DCP arm ({parallel.describe(group, 'size {}')})", dcp_arm), ("off arm (size 1)", off_arm)):
