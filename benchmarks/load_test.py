@@ -22,44 +22,19 @@ import httpx
 
 
 def start_server(options: list[str], port: int, log_path, start_seconds: float, tree=None):
-    """``dcp-compile serve --port PORT OPTIONS`` in a subprocess, its output in ``log_path``;
-    returns the process once ``/health`` answers 200.  Raises with the log's tail if the
-    server exits or stays silent past ``start_seconds`` (it is killed then).  ``tree``: a
-    directory holding another ``dcp_compile`` package to serve with (run from there, as
-    ``python -m`` puts the working directory ahead of ``PYTHONPATH``)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    """``dcp-compile serve --port PORT OPTIONS`` in a subprocess, once ``/health`` answers
+    (``dcp_compile.serve.start_in_background``).  ``tree``: a directory holding another
+    ``dcp_compile`` package to serve with (run from there)."""
+    from dcp_compile.serve import start_in_background
 
-    log_path = Path(log_path)
-    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--port", str(port), *options]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=log, cwd=tree)
-    deadline = time.monotonic() + start_seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise RuntimeError(f"the server did not come up in {start_seconds:.0f}s:\n{log_path.read_text()[-3000:]}")
+    return start_in_background(options, port, log_path, start_seconds, cwd=tree)
 
 
 def stop_server(process, seconds: float = 60) -> None:
     """SIGTERM (the server drains), then a kill if it is still there after ``seconds``."""
-    import signal
-    import subprocess
+    from dcp_compile.serve import stop_in_background
 
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    stop_in_background(process, seconds)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -21,10 +21,7 @@ GPUs: ``--device cuda`` (one GPU per rank).
 
 import argparse
 import re
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -34,27 +31,10 @@ import torch
 from dcp_compile.commands import draft_training, loading
 from dcp_compile.hf import load_causal_lm
 from dcp_compile.runtime.launch import free_port
+from dcp_compile.serve import start_in_background, stop_in_background
 
 QUESTION = "Write a Python function that reverses a string."
 MAX_TOKENS = 24
-
-
-def start_server(options: list[str], port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--port", str(port), *options]
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=sink)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise SystemExit(f"the server did not come up in 600 s:\n{log.read_text()[-3000:]}")
 
 
 def transformers_greedy(spec, messages) -> str:
@@ -83,9 +63,9 @@ def main():
     messages = [{"role": "user", "content": QUESTION}]
 
     port = free_port()
-    server = start_server(["--model", "smollm2", "--draft", str(draft), "--dcp", "2", "--device", args.device,
-                           "--max-batch", "2", "--max-seq-len", "256", "--served-model-name", "smollm2"],
-                          port, work / "server.log")
+    server = start_in_background(["--model", "smollm2", "--draft", str(draft), "--dcp", "2", "--device", args.device,
+                                  "--max-batch", "2", "--max-seq-len", "256", "--served-model-name", "smollm2"],
+                                 port, work / "server.log", start_seconds=600)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300, max_retries=0)
         reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=MAX_TOKENS,
@@ -99,8 +79,7 @@ def main():
             usage = chunk.usage or usage
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
-        server.terminate()
-        server.wait(timeout=120)
+        stop_in_background(server)
     accept = re.search(r"^dcp_mean_accept_length (\S+)", metrics, re.MULTILINE)
     expected = transformers_greedy(spec, messages)
     print(f"user: {QUESTION}\nassistant: {answer}")

@@ -247,3 +247,46 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("`dcp-compile serve` needs the serve extra: pip install 'dcp-compile[serve]'")
+
+
+def start_in_background(options: list[str], port: int, log_path, start_seconds: float, *, cwd=None):
+    """``dcp-compile serve --port PORT OPTIONS`` in a subprocess, its output in
+    ``log_path``; returns the process once ``/health`` answers 200 (for scripts and tests
+    that drive a server).  Raises with the log's tail if the server exits or stays silent
+    past ``start_seconds`` (it is killed then).  ``cwd``: where it runs (``python -m``
+    puts that directory ahead of ``PYTHONPATH``)."""
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    log_path = Path(log_path)
+    command = [sys.executable, "-m", "dcp_compile.cli", "serve", "--port", str(port), *options]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log, cwd=cwd)
+    deadline = time.monotonic() + start_seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return process
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the server did not come up in {start_seconds:.0f}s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_in_background(process, seconds: float = 60) -> None:
+    """SIGTERM (the server drains), then a kill if it is still there after ``seconds``."""
+    import signal
+    import subprocess
+
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
