@@ -309,7 +309,7 @@ def _add_train_eval_export(sub) -> None:
     d.add_argument("--max-new-tokens", type=int, help="longest answer generated (default 160)")
     d.add_argument("--steps", type=int, help="training steps (default 120)")
     d.add_argument("--batch", type=int, help="conversations per step (default 8)")
-    d.add_argument("--draft-vocab", type=int, help="the draft's vocabulary: the ids the answers use most (default 8192)")
+    d.add_argument("--draft-vocab", type=int, help="the draft's vocabulary: the ids the conversations use most (default 8192)")
     d.add_argument("--ttt-steps", type=int, help="draft steps unrolled in training (default 4)")
     d.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     d.add_argument("--overwrite", action="store_true", help="replace a draft already in --out")

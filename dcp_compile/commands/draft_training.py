@@ -10,8 +10,8 @@ how), answered greedily by the target itself, as EAGLE and SpecForge recommend: 
 learns what *this* target says.  A model without a chat template gets the prompts as plain
 text.  Held-out files give the evaluation prompts (``dcp-compile eval``).
 
-**Draft vocabulary.**  The ``draft_vocab`` target ids the answers use most (and the
-model's EOS ids), as ``d2t``/``t2d``.
+**Draft vocabulary.**  The ``draft_vocab`` target ids the conversations use most (and
+the model's EOS ids), as ``d2t``/``t2d``.
 
 **Start.**  The draft begins as the target's early exit at its last feature layer
 ``L-3``: its decoder layer is a copy of target layer ``L-3`` reading the hidden half of its
@@ -233,8 +233,8 @@ def generate_answers(model, codec, prompts: list[list[int]], path: Path, cfg: Dr
 
 def draft_vocabulary(conversations: list[dict], size: int, vocab_size: int, keep: frozenset[int]) -> torch.Tensor:
     """The target ids of the draft vocabulary, ascending: ``keep`` (the EOS ids), then the
-    ids the answers use most (ties: the lower id), then the lowest unused ids if the answers
-    use fewer than ``size``."""
+    ids the conversations (prompts and answers) use most (ties: the lower id), then the
+    lowest unused ids if they use fewer than ``size``."""
     if size > vocab_size:
         raise ValueError(f"train-draft --draft-vocab {size} is larger than the target's vocabulary ({vocab_size})")
     counts = torch.zeros(vocab_size, dtype=torch.long)
