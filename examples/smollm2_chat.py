@@ -9,9 +9,9 @@ docs/speculative-decoding.md gives its accept length). Without ``--draft`` this 
 first trains a smoke draft for a few steps, which shows the route but drafts poorly.
 
 It starts ``dcp-compile serve --model smollm2 --draft DIR --dcp 2`` (two CPU ranks over
-gloo), asks one chat question greedily, then the same streamed, and checks that both
-answers are transformers' own greedy ``generate()`` on the same weights and templated
-prompt, and that ``usage`` counts the tokens. It prints the server's mean accept length.
+gloo), asks one chat question greedily, then the same streamed, then one plain completion,
+and checks that each answer is transformers' own greedy ``generate()`` on the same weights
+(and templated prompt), and that ``usage`` counts the tokens. It prints the server's mean accept length.
 
     python examples/smollm2_chat.py
 
@@ -34,17 +34,21 @@ from dcp_compile.runtime.launch import free_port
 from dcp_compile.serve import start_in_background, stop_in_background
 
 QUESTION = "Write a Python function that reverses a string."
+COMPLETION = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 MAX_TOKENS = 24
 
 
-def transformers_greedy(spec, messages) -> str:
+def transformers_greedy(spec, prompts: list[list[int]]) -> list[str]:
+    """transformers' own greedy ``generate()`` on the same weights, one prompt at a time."""
     codec = loading.codec(spec)
-    ids = codec.chat_ids(messages)
     model = load_causal_lm(spec.path, device="cpu", dtype=torch.float32)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False)
-    return codec.decode(out[0, len(ids):].tolist())
+    answers = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False)
+        answers.append(codec.decode(out[0, len(ids):].tolist()))
+    return answers
 
 
 def main():
@@ -77,19 +81,24 @@ def main():
         for chunk in stream:
             pieces += [c.delta.content or "" for c in chunk.choices]
             usage = chunk.usage or usage
+        completion = client.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=MAX_TOKENS,
+                                               temperature=0).choices[0].text
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
         stop_in_background(server)
     accept = re.search(r"^dcp_mean_accept_length (\S+)", metrics, re.MULTILINE)
-    expected = transformers_greedy(spec, messages)
+    codec = loading.codec(spec)
+    expected, expected_completion = transformers_greedy(spec, [codec.chat_ids(messages), codec.encode(COMPLETION)])
     print(f"user: {QUESTION}\nassistant: {answer}")
+    print(f"completion: {COMPLETION}{completion}")
     print(f"usage: {reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} completion tokens; "
           f"mean accept length {float(accept.group(1)) if accept else float('nan'):.2f}")
     assert answer == expected, f"the served answer {answer!r} is not transformers' greedy {expected!r}"
+    assert completion == expected_completion, f"the completion {completion!r} is not {expected_completion!r}"
     assert "".join(pieces) == answer, f"streamed {''.join(pieces)!r} != {answer!r}"
     assert reply.usage.completion_tokens == MAX_TOKENS and usage.completion_tokens == MAX_TOKENS, (reply.usage, usage)
-    print("OK: served at DCP=2 with its EAGLE3 draft, plain and streamed, the answer is transformers' greedy "
-          "generate()")
+    print("OK: served at DCP=2 with its EAGLE3 draft, chat (plain and streamed) and completion are transformers' "
+          "greedy generate()")
 
 
 if __name__ == "__main__":
