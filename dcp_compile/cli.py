@@ -187,7 +187,27 @@ def plan_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     print(f"\nmost sequences at a context\n| context | {header} |\n|---|" + "---|" * len(sizes))
     for context, row in widest.items():
         print(f"| {context:,} | " + " | ".join(f"{row[n]:,}" for n in sizes) + " |")
+    if args.page_size is not None:
+        _print_pool(parser, args, planner, sizes, batches)
     return 0
+
+
+def _print_pool(parser, args, planner, sizes, batches) -> None:
+    """``plan --page-size``: the paged pool's tokens, which every running request shares."""
+    from dcp_compile import memory
+
+    try:
+        pools = {b: {n: memory.pool_plan(planner, n, b, args.page_size, args.gpu_memory_utilization) for n in sizes}
+                 for b in batches}
+    except ValueError as error:
+        parser.error(f"plan --page-size {args.page_size}: {error}")
+    header = " | ".join(f"DCP={n}" for n in sizes)
+    print(f"\npaged KV pool: tokens the group holds, all running requests together (pages of {args.page_size} slots "
+          f"a rank, {args.gpu_memory_utilization:.2f} of the memory; the draft's pages whole on every rank)\n"
+          f"| running rows | {header} |\n|---|" + "---|" * len(sizes))
+    for batch, row in pools.items():
+        print(f"| {batch} | " + " | ".join(f"{row[n].kv_tokens:,}" if row[n].kv_tokens else "does not fit"
+                                          for n in sizes) + " |")
 
 
 def _plan_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -349,6 +369,11 @@ def _add_plan(sub) -> None:
     p.add_argument("--draft-tokens", type=int, help=DRAFT_TOKENS_HELP + "; a tree target carries draft_tokens + 1 "
                    "staging slots and the trash slot, on a group of one too")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--page-size", type=int, help="also plan a paged KV pool of pages of this many slots a rank: the "
+                   "tokens it holds at each DCP size and number of running rows")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="with --page-size: the fraction of the memory the weights, pool and reserve may take "
+                        "(default 0.9)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -197,6 +197,85 @@ class MemoryPlanner:
         raise CapacityError(f"does not fit: {plan.describe()}. What fits: {fix}")
 
 
+@dataclass(frozen=True)
+class PoolPlan:
+    """One rank's bytes for a paged KV pool at a DCP size: the pool holds ``kv_tokens``
+    positions for the whole group, ``kv_tokens / dcp_size`` on each rank, in pages of
+    ``page_size`` slots a rank (a logical page spans ``page_size * dcp_size`` tokens)."""
+
+    dcp_size: int
+    max_batch: int
+    page_size: int
+    kv_tokens: int
+    """N: the group's capacity in tokens, every running request's together."""
+    weight_bytes: int
+    target_pool_bytes: int
+    """The target's pages on this rank: N / D positions."""
+    draft_pool_bytes: int
+    """The draft's pages: N positions, whole on every rank, since the draft is never sharded."""
+    row_bytes: int
+    """Per running row, outside the pool: the target's trash and verify staging slots, the
+    draft's tree slots."""
+    reserve_bytes: int
+    budget_bytes: int
+    """The part of the device the pool may fill (``fraction`` of it)."""
+    tp_size: int = 1
+
+    @property
+    def rank_tokens(self) -> int:
+        return self.kv_tokens // self.dcp_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.target_pool_bytes + self.draft_pool_bytes + self.row_bytes + self.reserve_bytes
+
+    def describe(self) -> str:
+        tp = f"TP size {self.tp_size}, " if self.tp_size > 1 else ""
+        return (
+            f"{tp}DCP size {self.dcp_size}, {self.max_batch} rows, pages of {self.page_size}: a pool of "
+            f"{self.kv_tokens:,} tokens ({self.rank_tokens:,} a rank): target pages "
+            f"{self.target_pool_bytes / GiB:.1f} GiB + draft pages {self.draft_pool_bytes / GiB:.1f} GiB + rows "
+            f"{self.row_bytes / GiB:.2f} GiB + weights {self.weight_bytes / GiB:.1f} GiB + reserve "
+            f"{self.reserve_bytes / GiB:.1f} GiB = {self.total_bytes / GiB:.1f} GiB per rank, of "
+            f"{self.budget_bytes / GiB:.1f} GiB"
+        )
+
+
+def pool_plan(planner: MemoryPlanner, dcp_size: int, max_batch: int, page_size: int, fraction: float = 0.9) -> PoolPlan:
+    """The largest paged pool that fits ``fraction`` of the device beside the weights, the
+    reserve of ``max_batch`` running rows and their per-row slots.  Each rank holds N/D of
+    the target's tokens and all N of the draft's: a whole draft page costs every rank its
+    full size, which is what bounds N once D is large."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if page_size % planner.interleave:
+        raise ValueError(
+            f"page_size {page_size} is not a multiple of the layout's interleave {planner.interleave}: a page must hold "
+            f"whole blocks of a rank's positions; use a multiple of {planner.interleave}"
+        )
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the memory fraction must be in (0, 1], got {fraction}")
+    base = planner.plan(dcp_size, max_batch, 1)
+    per_slot = cache_bytes_per_token(planner.target, planner.dtype, planner.tp_size)
+    draft_per_token = 0
+    if planner.draft is not None:
+        shapes = planner.draft.target
+        draft_per_token = 2 * shapes.n_kv_heads * shapes.head_dim * planner.dtype.itemsize
+    slack = 1 + planner.verify_tokens if dcp_size > 1 or planner.tree else 0
+    row_bytes = max_batch * (per_slot * slack + draft_per_token * planner.draft_tree_slots)
+    draft_weights = planner._weight_bytes[1]
+    budget = int(planner.budget_bytes * fraction)
+    free = budget - base.weight_bytes - draft_weights - base.reserve_bytes - row_bytes
+    # t positions a rank: the target's t slots here, the draft's t * D (the group's tokens) whole.
+    per_rank = max(0, free) // (per_slot + dcp_size * draft_per_token) // page_size * page_size
+    return PoolPlan(
+        dcp_size=dcp_size, max_batch=max_batch, page_size=page_size, kv_tokens=per_rank * dcp_size,
+        weight_bytes=base.weight_bytes + draft_weights, target_pool_bytes=per_slot * per_rank,
+        draft_pool_bytes=draft_per_token * per_rank * dcp_size, row_bytes=row_bytes, reserve_bytes=base.reserve_bytes,
+        budget_bytes=budget, tp_size=planner.tp_size,
+    )
+
+
 def _largest(fits) -> int:
     """The largest positive int ``x`` with ``fits(x)`` (monotone), or 0."""
     if not fits(1):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.memory import GiB, CapacityError, MemoryPlanner, kv_slots, plan_memory
+from dcp_compile.memory import GiB, CapacityError, MemoryPlanner, kv_slots, plan_memory, pool_plan
 from dcp_compile.models import DraftConfig, LlamaConfig
 from dcp_compile.runtime.launch import spawn_ranks
 from tests.support import make_model, parity_worker
@@ -153,7 +153,62 @@ def test_plan_command_sizes_a_tree_by_its_verify_width(capsys):
     assert f"| 8 | {planner.longest_context(1, 8):,} | {planner.longest_context(2, 8):,} |" in printed
 
 
+def _planner(draft: bool, **options) -> MemoryPlanner:
+    from dcp_compile.models.llama import llama3_8b_shape
+
+    cfg = llama3_8b_shape()
+    return MemoryPlanner(cfg, int(139.8 * GiB), draft=DraftConfig(cfg, "eagle3") if draft else None,
+                         verify_tokens=4 if draft else 0, **options)
+
+
+@pytest.mark.parametrize("dcp_size", [1, 2, 8])
+def test_a_pool_is_the_most_whole_pages_that_fit_beside_the_weights_and_rows(dcp_size):
+    planner = _planner(draft=True)
+    pool = pool_plan(planner, dcp_size, max_batch=16, page_size=16, fraction=0.9)
+    assert pool.kv_tokens % (16 * dcp_size) == 0 and pool.rank_tokens * dcp_size == pool.kv_tokens
+    assert pool.total_bytes <= pool.budget_bytes == int(139.8 * GiB * 0.9)
+    # one more page a rank: its target slots here, and the draft's slots for all D pages of the group
+    per_page = (pool.target_pool_bytes + pool.draft_pool_bytes) // (pool.rank_tokens // 16)
+    assert pool.total_bytes + per_page > pool.budget_bytes
+    # on the whole device the pool holds at least what static rows of 128K do, in any mix of requests
+    static_rows = planner.largest_batch(dcp_size, 131072)
+    assert pool_plan(planner, dcp_size, 16, 16, fraction=1.0).kv_tokens >= static_rows * 131072 > 0
+
+
+def test_the_drafts_pages_are_charged_whole_on_every_rank():
+    """Without a draft a rank's share of the pool barely moves with D; with one, every
+    rank pays the draft's pages for all N tokens, so its share shrinks as D grows."""
+    plain = [pool_plan(_planner(draft=False), n, 8, 16).rank_tokens for n in (1, 2, 8)]
+    drafted = [pool_plan(_planner(draft=True), n, 8, 16) for n in (1, 2, 8)]
+    assert max(plain) - min(plain) <= 16 * 2  # the trash slot of a sharded row, rounded to pages
+    assert drafted[0].rank_tokens > drafted[1].rank_tokens > drafted[2].rank_tokens
+    for pool in drafted:
+        assert pool.draft_pool_bytes == pool.kv_tokens * 2 * 8 * 128 * 2  # the draft layer: 8 KV heads x 128, bf16
+
+
+@pytest.mark.parametrize("page_size, options, message", [
+    (0, {}, "page_size must be a positive int, got 0"),
+    (6, {"interleave": 4}, "page_size 6 is not a multiple of the layout's interleave 4"),
+])
+def test_a_page_that_does_not_hold_whole_blocks_is_refused(page_size, options, message):
+    with pytest.raises(ValueError, match=message):
+        pool_plan(_planner(draft=False, **options), 2, 8, page_size)
+
+
+def test_plan_command_prints_the_pool(capsys):
+    from dcp_compile.cli import main
+
+    assert main(["plan", "--gpu-gib", "139.8", "--dcp", "1,2", "--batches", "8", "--contexts", "131072",
+                 "--page-size", "16", "--gpu-memory-utilization", "0.8"]) == 0
+    printed = capsys.readouterr().out
+    pools = [pool_plan(_planner(draft=True), n, 8, 16, 0.8).kv_tokens for n in (1, 2)]
+    assert "pages of 16 slots a rank, 0.80 of the memory" in printed
+    assert f"| 8 | {pools[0]:,} | {pools[1]:,} |" in printed
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--page-size", "0"], "plan --page-size 0: page_size must be a positive int, got 0"),
+    (["--page-size", "16", "--gpu-memory-utilization", "1.5"], "the memory fraction must be in (0, 1], got 1.5"),
     (["--dcp", "0"], "--dcp takes comma-separated positive integers, got '0'"),
     (["--batches", "8,x"], "--batches takes comma-separated positive integers"),
     (["--gpu-gib", "-1"], "--gpu-gib must be > 0"),
