@@ -149,3 +149,4 @@ def test_eval_prompts_a_chat_model_with_held_out_chat_prompts(smollm2):
     codec = loading.codec(smollm2)
     assert chosen["prompt_kind"] == "held-out chat prompts"
     assert chosen["prompts"] == [codec.chat_ids([{"role": "user", "content": p}]) for p in chat_prompts("held_out", 3)]
+    assert chosen["stop_ids"] == sorted(codec.eos_ids) and chosen["stop_ids"]

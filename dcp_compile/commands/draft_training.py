@@ -475,13 +475,15 @@ def train_draft(model_name: str, out: str | Path, *, cfg: DraftTrainConfig = Dra
 
 def evaluation_prompts(spec, n: int) -> dict:
     """``measure_acceptance``'s prompts for ``spec``: held-out chat prompts through the
-    chat template of a model that has one; nothing (its held-out files) otherwise."""
+    chat template of a model that has one, each answer ending at an EOS id; nothing (its
+    held-out files) otherwise."""
     from dcp_compile.commands import loading
 
     codec = None if spec.kind == loading.PAIR else loading.codec(spec)
     if not getattr(codec, "has_chat_template", False):
         return {}
-    return dict(prompts=prompt_ids(codec, chat_prompts("held_out", n)), prompt_kind="held-out chat prompts")
+    return dict(prompts=prompt_ids(codec, chat_prompts("held_out", n)), prompt_kind="held-out chat prompts",
+                stop_ids=sorted(codec.eos_ids))
 
 
 def measure_and_record(model_name: str, out: str | Path, *, device: str = "cpu", n_prompts: int = 32) -> dict:

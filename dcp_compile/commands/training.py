@@ -315,7 +315,7 @@ def held_out_prompts(n: int, prompt_bytes: int, seed: int = 0, root: Path | None
 def measure_acceptance(
     model, *, device="cpu", k: int = 4, topk: int = 1, draft_tokens: int | None = None, n_prompts: int = 32,
     prompt_bytes: int = 192, new_tokens: int = 128, batch: int = 16, lowering: str = "aot_eager",
-    prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts", group=None,
+    prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts", stop_ids=(), group=None,
 ) -> dict:
     """Greedy EAGLE decoding of held-out prompts: mean accept length at depth ``k``,
     drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree; on one rank, or on
@@ -323,8 +323,9 @@ def measure_acceptance(
 
     ``model``: a shipped name or checkpoint directory, or a ``loading.ModelSpec`` (a
     Hugging Face model with its draft: the prompts are the same text through its
-    tokenizer).  ``prompts`` (token ids, described by ``prompt_kind``) replace the held-out
-    files: ``draft_training.evaluation_prompts`` gives a chat model's."""
+    tokenizer; a window of a file has no end, so every request decodes ``new_tokens``).
+    ``prompts`` (token ids, described by ``prompt_kind``) replace the held-out files, and
+    ``stop_ids`` end a request: ``draft_training.evaluation_prompts`` gives a chat model's."""
     import dcp_compile as dcp
     from dcp_compile.commands import loading, parallel
     from dcp_compile.runtime.tree import default_draft_tokens
@@ -348,8 +349,7 @@ def measure_acceptance(
                               max_seq_len=max_seq_len, lowering=lowering)
     accepted = []
     for start in range(0, n_prompts, batch):
-        for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens,
-                                    stop_ids=sorted(getattr(codec, "eos_ids", ()))):
+        for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens, stop_ids=stop_ids):
             accepted += out.accepted
     return dict(k=k, topk=topk, draft_tokens=draft_tokens, prompts=n_prompts, prompt_kind=kind, prompt_bytes=prompt_bytes,
                 new_tokens=new_tokens, verify_steps=len(accepted),
