@@ -102,7 +102,7 @@ LAYERS = (
     ("hf",),
     ("commands", "commands.loading", "commands.export", "commands.parallel", "commands.gguf_model"),
     ("commands.training", "commands.gate"),
-    ("commands.draft_training",),
+    ("commands.chat_prompts", "commands.draft_training"),
     ("commands.arms", "serve.requests"),
     ("serve.frontend",),
     ("serve.engine",),

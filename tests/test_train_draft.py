@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from dcp_compile.cli import main
 from dcp_compile.commands import draft_training, loading
-from dcp_compile.commands.draft_training import DraftTrainConfig, chat_prompts, draft_vocabulary
+from dcp_compile.commands.chat_prompts import chat_prompts, evaluation_prompts
+from dcp_compile.commands.draft_training import DraftTrainConfig, draft_vocabulary
 from dcp_compile.hf.causal_lm import load_causal_lm
 
 TINY = DraftTrainConfig(prompts=4, max_new_tokens=6, generate_batch=4, draft_vocab=512, steps=2, batch=2, max_len=160,
@@ -145,7 +146,7 @@ def test_nonpositive_settings_are_usage_errors(flag, value, tmp_path, capsys):
 
 
 def test_eval_prompts_a_chat_model_with_held_out_chat_prompts(smollm2):
-    chosen = draft_training.evaluation_prompts(smollm2, 3)
+    chosen = evaluation_prompts(smollm2, 3)
     codec = loading.codec(smollm2)
     assert chosen["prompt_kind"] == "held-out chat prompts"
     assert chosen["prompts"] == [codec.chat_ids([{"role": "user", "content": p}]) for p in chat_prompts("held_out", 3)]

@@ -162,6 +162,16 @@ def _run_arm(name, group, args, prompts, talk, stream=None, header="") -> dict:
     )
 
 
+def _print_arms(arms, shape: dict, device: torch.device) -> None:
+    for label, arm in arms:
+        accept = (f"mean accept length {arm['accept_len']:.2f}, {_describe_shape(shape)}" if shape["k"]
+                  else "one token per step")
+        print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
+              f"{accept} (compile {arm['compile_s']:.1f}s)")
+    if device.type == "cpu":
+        print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
+
+
 def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     import dcp_compile as dcp
     from dcp_compile.commands import loading
@@ -204,15 +214,10 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
         for i, (prompt, out) in enumerate(zip(shown[1:], dcp_out[1:]), start=1):
             print(f"\n--- prompt {i} ---\n{prompt}{_text(codec, out.tokens)}")
         print()
-        for label, arm in ((f"DCP arm ({parallel.describe(group, 'size {}')})", dcp_arm), ("off arm (size 1)", off_arm)):
-            accept = (f"mean accept length {arm['accept_len']:.2f}, {_describe_shape(shape)}" if k
-                      else "one token per step")
-            print(f"{label:>18}: {arm['tokens']} tokens in {arm['seconds']:.2f}s = {arm['tokens_per_s']:.1f} tokens/s, "
-                  f"{accept} (compile {arm['compile_s']:.1f}s)")
+        arms = ((f"DCP arm ({parallel.describe(group, 'size {}')})", dcp_arm), ("off arm (size 1)", off_arm))
+        _print_arms(arms, shape, device)
         print(f"{'parity':>18}: tokens identical = {tokens_identical}, accept counts identical = {accepts_identical}")
         print(f"{'gate':>18}: {verdict.describe()}")
-        if device.type == "cpu":
-            print(f"{'':>18}  (CPU ranks share this machine's cores: tokens/s here is not a DCP speed figure)")
     return dict(
         dcp_size=group.size, tp_size=group.tp_size, **shape, temperature=args.temperature, model=args.model,
         draft=args.draft, tokens_identical=tokens_identical, accept_counts_identical=accepts_identical,
@@ -240,14 +245,14 @@ def _on_ranks(rank_fn, args: argparse.Namespace, timeout: float):
 
 
 def _eval_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
-    from dcp_compile.commands import draft_training, training
+    from dcp_compile.commands import chat_prompts, training
 
     device = _device(args.device)
     group = parallel.join(args, device)
     result = training.measure_acceptance(
         args.spec, device=device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens, n_prompts=args.prompts,
         new_tokens=args.max_new_tokens, lowering=args.lowering, group=group,
-        **draft_training.evaluation_prompts(args.spec, args.prompts),
+        **chat_prompts.evaluation_prompts(args.spec, args.prompts),
     )
     return dict(result, layout=parallel.describe(group, "DCP {}")) if group.replica_rank == 0 else None
 
