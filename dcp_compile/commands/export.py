@@ -378,8 +378,8 @@ def draft_card(record: dict) -> str:
     lines = [
         f"# EAGLE3 draft for {Path(record['model']).name}",
         "",
-        "Trained by `dcp-compile train-draft`; the published EAGLE3 layout (`EAGLE_FORMATS.md`), read by",
-        "`EagleDraft.from_pretrained` and by `dcp-compile demo/serve/eval --draft`.",
+        "Trained by `dcp-compile train-draft`, in the published EAGLE3 layout (as SpecForge writes it and",
+        "vLLM and SGLang read it), read by `EagleDraft.from_pretrained` and `dcp-compile demo/serve/eval --draft`.",
         "",
         f"- **Target:** `{record['model']}`; features: the hidden states entering layers {record['feature_layers']}.",
         f"- **Data:** {record['conversations']} chat prompts built from the Python standard library's documented "
