@@ -33,7 +33,6 @@ so ``OUT`` never holds half a draft.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 from dcp_compile.commands.chat_prompts import chat_prompts, evaluation_prompts, prompt_ids
 from dcp_compile.commands.training import _lr, _progress
+from dcp_compile.files import write_whole
 from dcp_compile.models.draft_config import DraftConfig, eagle3_aux_layers
 
 WORK = "training"
@@ -83,6 +83,7 @@ class DraftTrainConfig:
 def check_target(config) -> tuple[int, ...]:
     """The feature layers of an EAGLE3 draft for this HF config, or a ``ValueError`` naming
     what the draft could not read."""
+    from dcp_compile.hf.cache import _refuse_sliding
     from dcp_compile.hf.causal_lm import llama_config
 
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -92,11 +93,7 @@ def check_target(config) -> tuple[int, ...]:
             f"an EAGLE3 draft reads the hidden states entering three target layers (2, L//2, L-3); "
             f"{type(text).__name__} has {layers} layers, and needs at least 4"
         )
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False:
-        raise ValueError(
-            f"{type(text).__name__} uses sliding-window attention (sliding_window={text.sliding_window}); the "
-            f"draft's layer and this package's caches attend to the whole context"
-        )
+    _refuse_sliding(text)
     aux = eagle3_aux_layers(layers)
     llama_config(text, max_batch=1, max_seq_len=1, aux_layers=aux)  # raises for shapes a Llama layer cannot take
     return aux
@@ -263,12 +260,6 @@ def draft_losses(draft, logits: torch.Tensor, features: torch.Tensor, tokens: to
 
 # -- the command ---------------------------------------------------------------------------
 
-def _atomic_save(obj, path: Path) -> None:
-    temp = path.with_name(path.name + ".partial")
-    torch.save(obj, temp)
-    os.replace(temp, path)
-
-
 def refuse_existing_draft(out: Path, overwrite: bool) -> None:
     held = [name for name in DRAFT_FILES if (out / name).exists()]
     if held and not overwrite:
@@ -315,7 +306,7 @@ def _vocabulary(work: Path, conversations: list[dict], cfg: DraftTrainConfig, mo
         return torch.load(path)
     vocab = draft_vocabulary(conversations, cfg.draft_vocab, model.config.get_text_config(decoder=True).vocab_size,
                              codec.eos_ids)
-    _atomic_save(vocab, path)
+    write_whole(path, lambda temp: torch.save(vocab, temp))
     return vocab
 
 
@@ -355,8 +346,8 @@ def _optimise(draft, outputs: TargetOutputs, conversations: list[dict], vocab: t
         bar.update(1)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             trained = {k: v for k, v in draft.state_dict().items() if k != "embed.weight"}
-            _atomic_save(dict(draft=trained, optimizer=opt.state_dict(), step=step + 1, history=history),
-                         checkpoint_path)
+            state = dict(draft=trained, optimizer=opt.state_dict(), step=step + 1, history=history)
+            write_whole(checkpoint_path, lambda temp: torch.save(state, temp))
     bar.close()
     draft.eval().requires_grad_(False)
     return history
@@ -415,7 +406,5 @@ def measure_and_record(model_name: str, out: str | Path, *, device: str = "cpu",
     saved = json.loads((out / "training.json").read_text())
     saved["acceptance"] = acceptance
     for name, text in (("training.json", json.dumps(saved) + "\n"), ("README.md", draft_card(saved))):
-        temp = out / f".{name}.partial"
-        temp.write_text(text)
-        temp.replace(out / name)
+        write_whole(out / name, lambda temp: temp.write_text(text))
     return {k: v for k, v in saved.items() if k != "history"}

@@ -53,6 +53,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from dcp_compile.commands import gguf_model
+from dcp_compile.files import write_whole
 from dcp_compile.models.eagle import EagleDraft
 from dcp_compile.models.eagle_checkpoint import EAGLE3_NAMES, LAYER_NAMES
 from dcp_compile.models.llama import Llama, LlamaConfig
@@ -366,9 +367,7 @@ def write_eagle3_draft(draft: EagleDraft, target, out: str | Path, *, record: di
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, write in files.items():
-        temp = out / f".{name}.partial"
-        write(temp)
-        temp.replace(out / name)
+        write_whole(out / name, write)
     return dict(draft=str(out), parameters=sum(t.numel() for t in tensors.values() if t.is_floating_point()))
 
 

@@ -166,13 +166,14 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
     from dcp_compile.models.eagle import EagleDraft
     from dcp_compile.models.eagle_checkpoint import feature_layers
 
-    config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
-    aux = () if spec.draft is None else feature_layers(spec.draft, config.get_text_config(decoder=True))
     if native:
+        config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
+        aux = () if spec.draft is None else feature_layers(spec.draft, config.get_text_config(decoder=True))
         target = load_llama(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux, dtype=dtype,
                             device=device)
     else:
         model = load_causal_lm(spec.path, device=device, dtype=dtype)
+        aux = () if spec.draft is None else feature_layers(spec.draft, model.config.get_text_config(decoder=True))
         target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux).eval()
     if spec.draft is None:
         return target, None
