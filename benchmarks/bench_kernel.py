@@ -93,6 +93,8 @@ def parse_args():
     parser.add_argument("--fill", nargs="*", default=["8:65536:8192", "8:65536:32768", "1:65536:8192"],
                         metavar="B:CAPACITY:KV_LEN",
                         help="extra points where every sequence holds KV_LEN tokens of a CAPACITY-slot cache")
+    parser.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
+                        help="extra arms: the Triton kernel with N slices a sequence forced, beside split_plan's own")
     parser.add_argument("--flex-budget-s", type=float, default=150.0,
                         help="skip the flex arm (its compiles) once the run is this old")
     return parser.parse_args()
@@ -202,8 +204,11 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
                          F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in copies],
         "flex": lambda: flex_arm(device)(q, copies, kv_len, scale),
     }
+    for n in ARGS.splits:
+        arms[f"splits{n}"] = lambda n=n: [lambda k=k, v=v: prefix_attention_triton(q, k, v, kv_len, scale, num_splits=n)
+                                          for k, v in copies]
     prepared = {}  # name -> (run, calls per run, method)
-    for name in ARGS.arms:
+    for name in [*ARGS.arms, *(f"splits{n}" for n in ARGS.splits)]:
         if name == "copy":
             continue
         if name == "flex" and (time.monotonic() - started > ARGS.flex_budget_s or live != context):
@@ -264,6 +269,20 @@ def table(points) -> str:
     return "\n".join(lines)
 
 
+def split_table(points) -> str:
+    """The forced slice counts' % of copy beside split_plan's choice."""
+    names = [f"splits{n}" for n in ARGS.splits]
+    head = "| heads | B | context | T | planned splits | ours % copy | " + " | ".join(
+        f"{n} splits % copy" for n in ARGS.splits) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in points:
+        a = p["arms"]
+        cells = " | ".join(cell(a.get(n, {}), "pct_copy", "{:.0f}%") for n in names)
+        lines.append(f"| {p['hq']}:{p['hkv']} | {p['batch']} | {kilo(p['context'])} | {p['t']} | {p['num_splits']} "
+                     f"| {cell(a.get('ours', {}), 'pct_copy', '{:.0f}%')} | {cells} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     started = time.monotonic()
     if ARGS.smoke:
@@ -321,6 +340,9 @@ def main() -> int:
     print("Attention TB/s = bytes of K and V read / time; copy TB/s = (bytes read + written) / time; "
           "% copy = attention TB/s / copy TB/s.")
     print(table(points))
+    if ARGS.splits:
+        print()
+        print(split_table(points))
     env["seconds"] = round(time.monotonic() - started, 1)
     Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, points=points), indent=1))
     print(f"\nwrote {ARGS.out} ({env['seconds']} s)")

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dcp_compile.ops.triton_prefix import MAX_SPLITS, _merge_splits, _split_weights, _store_merged, sm_count_of
+from dcp_compile.ops.triton_prefix import WIDE_HEAD_SPLITS, _merge_splits, _split_weights, _store_merged, sm_count_of
 
 LATENT_WIDTH, ROPE_WIDTH = 512, 64
 """The only slot shape the kernel takes: DeepSeek-V2/V3's and Kimi-K2's latent and rope key."""
@@ -352,9 +352,10 @@ def seesaw_splits(batch: int, row_blocks: int, capacity: int, sm_count: int, num
     each), so ``sm_count // programs`` of them, no more than the capacity's pairs; or the
     caller's count.  Each program cuts its own sequence's length (``kv_len``) on the device."""
     if num_splits is None:
-        return max(1, min(sm_count // (batch * row_blocks), MAX_SPLITS, triton.cdiv(max(capacity, 1), PAIR_SLOTS)))
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+        wanted = min(sm_count // (batch * row_blocks), WIDE_HEAD_SPLITS)
+        return max(1, min(wanted, triton.cdiv(max(capacity, 1), PAIR_SLOTS)))
+    if not 1 <= num_splits <= WIDE_HEAD_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {WIDE_HEAD_SPLITS}], got {num_splits}")
     return num_splits
 
 

@@ -31,8 +31,8 @@ from dcp_compile.ops.attention import (
 )
 from dcp_compile.ops.triton_flash import cache_length, check_index, scan_block, window_bounds
 from dcp_compile.ops.triton_prefix import (
-    MAX_ROWS, SUPPORTED_DTYPES, _masked_softmax_step, _merge_splits, _num_splits, _softmax_step, _split_outputs,
-    _split_range, _store_partial,
+    MAX_ROWS, SUPPORTED_DTYPES, WIDE_HEAD_SPLITS, _masked_softmax_step, _merge_splits, _num_splits, _softmax_step,
+    _split_outputs, _split_range, _store_partial,
 )
 
 try:  # Gluon (Triton 3.5 and later): the compute-bound prefix on Hopper; without it the split-KV kernel serves all
@@ -220,7 +220,7 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
     if row_blocks > MAX_GRID_Y:
         raise ValueError(f"{H} heads x {T} tokens make {row_blocks} blocks of rows={tiles['rows']}, more than the "
                          f"grid's {MAX_GRID_Y}: take more rows a block, or prefill in smaller chunks")
-    num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits)
+    num_splits = _num_splits(q, 1, row_blocks, S, tiles["block_s"], num_splits, most=WIDE_HEAD_SPLITS)
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, C, num_splits)
     index = positions if causal else kv_len
     wrap_triton(_latent_split_kernel)[(num_splits, row_blocks, B)](

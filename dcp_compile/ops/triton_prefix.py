@@ -103,8 +103,12 @@ With NUM_STAGES = 3 that is 192 KB, so one program fills an H200 SM (228 KB); th
 block along S shrinks for wider heads or fp32 to stay at this size."""
 NUM_STAGES = 3
 NUM_WARPS = 8
-MAX_SPLITS = 64
-"""The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32."""
+MAX_SPLITS = 128
+"""The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32 (8 warps
+past 64 slices, so a thread holds at most 64 of them at D=128)."""
+WIDE_HEAD_SPLITS = 64
+"""The most slices a plan cuts a sequence into for MLA's 512-wide latent: the count its
+kernels were measured at, keeping the merge's [slices, 512] tile at that size."""
 DEFAULT_SM_COUNT = 132
 """SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
 SPLIT_KV_MAX_TOKENS = 128
@@ -325,7 +329,8 @@ def default_block_s(head_dim: int, element_size: int) -> int:
 
 
 def split_plan(
-    batch: int, kv_heads: int, row_blocks: int, capacity: int, block_s: int, sm_count: int
+    batch: int, kv_heads: int, row_blocks: int, capacity: int, block_s: int, sm_count: int,
+    most: int = MAX_SPLITS,
 ) -> tuple[int, int]:
     """``(num_splits, split_len)`` for a cache of ``capacity`` slots.
 
@@ -337,7 +342,7 @@ def split_plan(
     """
     blocks = triton.cdiv(max(capacity, 1), block_s)
     wanted = max(1, sm_count // (batch * kv_heads * row_blocks))
-    return _splits_of(blocks, min(wanted, MAX_SPLITS), block_s)
+    return _splits_of(blocks, min(wanted, most), block_s)
 
 
 def _splits_of(blocks: int, num_splits: int, block_s: int) -> tuple[int, int]:
@@ -352,11 +357,11 @@ def sm_count_of(device: torch.device) -> int:
 
 
 def _num_splits(q: torch.Tensor, kv_heads: int, row_blocks: int, capacity: int, block_s: int,
-                num_splits: int | None) -> int:
-    """Slices per sequence (and KV head): ``split_plan``'s, or the caller's, checked."""
+                num_splits: int | None, most: int = MAX_SPLITS) -> int:
+    """Slices per sequence (and KV head): ``split_plan``'s (at most ``most``), or the caller's, checked."""
     B = int(q.shape[0])
     if num_splits is None:
-        return split_plan(B, kv_heads, row_blocks, capacity, block_s, sm_count_of(q.device))[0]
+        return split_plan(B, kv_heads, row_blocks, capacity, block_s, sm_count_of(q.device), most)[0]
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     return _splits_of(triton.cdiv(max(capacity, 1), block_s), num_splits, block_s)[0]
@@ -380,7 +385,8 @@ def _merge_splits(o_part, lse_part, out, lse, num_splits: int) -> None:
     if num_splits > 1:
         B, H, T, width = (int(n) for n in out.shape)
         wrap_triton(_merge_splits_kernel)[(B * H * T,)](
-            o_part, lse_part, out, lse, num_splits, D=width, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+            o_part, lse_part, out, lse, num_splits, D=width, SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=4 if num_splits <= 64 else 8,
         )
 
 

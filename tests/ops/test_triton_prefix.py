@@ -73,6 +73,8 @@ def build_cases():
     cases["uneven-splits"] = make_case(3, t=1, s=200, kv_len=(199, 0, 33), num_splits=3, block_s=16)
     # Sequences far shorter than the cache: each is cut into the slices by its own length.
     cases["short-in-long-cache"] = make_case(8, t=2, s=1024, kv_len=(40, 300, 17), num_splits=8, block_s=16)
+    # The most slices the merge takes (its 8-warp launch), one 16-slot block each.
+    cases["most-splits"] = make_case(14, t=1, g=2, hkv=1, s=2048, kv_len=(2048, 1000, 0), num_splits=128, block_s=16)
     cases["row-blocks"] = make_case(4, t=16, g=8, hkv=1, kv_len=(150, 50))  # 128 rows: two row blocks
     cases["fp16"] = make_case(5, t=5, dtype=torch.float16)
     cases["strided-cache"] = make_case(6, t=5, kv_len=(150, 3, 64), strided=True)
