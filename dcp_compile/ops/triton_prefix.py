@@ -104,11 +104,9 @@ block along S shrinks for wider heads or fp32 to stay at this size."""
 NUM_STAGES = 3
 NUM_WARPS = 8
 MAX_SPLITS = 128
-"""The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32 (8 warps
-past 64 slices, so a thread holds at most 64 of them at D=128)."""
+"""The merge kernel holds all of a row's splits in registers: [MAX_SPLITS, D] fp32 (8 warps past 64)."""
 WIDE_HEAD_SPLITS = 64
-"""The most slices a plan cuts a sequence into for MLA's 512-wide latent: the count its
-kernels were measured at, keeping the merge's [slices, 512] tile at that size."""
+"""The most slices planned for MLA's 512-wide latent: its kernels' measured count (the merge's tile)."""
 DEFAULT_SM_COUNT = 132
 """SMs assumed when the tensors are not on a GPU (interpreter runs): the H200's."""
 SPLIT_KV_MAX_TOKENS = 128

@@ -19,7 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dcp_compile.ops.triton_prefix import MAX_SPLITS, SPLIT_KV_MAX_TOKENS, prefix_attention_triton, prefix_kernel, split_plan
+from dcp_compile.ops.triton_prefix import (
+    MAX_SPLITS, SPLIT_KV_MAX_TOKENS, prefix_attention_triton, prefix_kernel, split_plan,
+)
 from tests.ops.test_attention import attention_float64
 
 WORKER = Path(__file__).with_name("triton_interpret.py")
