@@ -95,6 +95,9 @@ def parse_args():
                         help="extra points where every sequence holds KV_LEN tokens of a CAPACITY-slot cache")
     parser.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
                         help="extra arms: the Triton kernel with N slices a sequence forced, beside split_plan's own")
+    parser.add_argument("--page-size", type=int, default=0, metavar="P",
+                        help="add the paged arm: dcp::paged_prefix_attention over pools of P-slot pages, in a "
+                             "shuffled order, of the same bytes as the unpaged arm's caches")
     parser.add_argument("--flex-budget-s", type=float, default=150.0,
                         help="skip the flex arm (its compiles) once the run is this old")
     return parser.parse_args()
@@ -113,7 +116,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from dcp_compile.ops import attention_with_lse, prefix_attention_triton  # noqa: E402
+from dcp_compile.ops import attention_with_lse, paged_prefix_attention_triton, prefix_attention_triton  # noqa: E402
 from dcp_compile.ops import triton_prefix  # noqa: E402
 from _report import Timer, cell, copy_arms, kilo, short_error, timed_rounds  # noqa: E402
 
@@ -174,6 +177,33 @@ def flex_arm(device):
     return make
 
 
+def paged_calls(q, kv_len, scale, batch, hkv, context, d, n_copies, gen, device):
+    """The paged op over ``n_copies`` pools holding every sequence's ``context`` slots in
+    pages of ``--page-size``, each pool's pages handed out in a shuffled order."""
+    page = ARGS.page_size
+    n = -(-context // page)
+    calls = []
+    for _ in range(n_copies):
+        k_pool, v_pool = (torch.randn(batch * n, hkv, page, d, device=device, dtype=torch.bfloat16, generator=gen)
+                          for _ in range(2))
+        table = torch.randperm(batch * n, device=device, generator=gen).view(batch, n).to(torch.int32)
+        # On CPU the op is the reference, so the smoke run calls the Triton op directly.
+        op = torch.ops.dcp.paged_prefix_attention if device.type == "cuda" else paged_prefix_attention_triton
+        calls.append(lambda k=k_pool, v=v_pool, t=table, op=op: op(q, k, v, t, kv_len, scale))
+    return calls
+
+
+def paged_table(points) -> str:
+    """The paged arm beside the unpaged kernel: TB/s and their ratio."""
+    lines = ["| heads | B | context | T | page | ours TB/s | paged TB/s | paged / ours |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        o, g = p["arms"].get("ours", {}), p["arms"].get("paged", {})
+        ratio = f"{g['tbps'] / o['tbps']:.3f}" if "tbps" in o and "tbps" in g else "-"
+        lines.append(f"| {p['hq']}:{p['hkv']} | {p['batch']} | {kilo(p['context'])} | {p['t']} | {ARGS.page_size} "
+                     f"| {cell(o, 'tbps', '{:.2f}')} | {cell(g, 'tbps', '{:.2f}')} | {ratio} |")
+    return "\n".join(lines)
+
+
 def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None):
     """Every arm at one point, timed in ``--rounds`` interleaved rounds (ours, SDPA, flex,
     copy, ours, ...), so drift in the GPU's clocks over the run hits every arm alike.
@@ -204,11 +234,14 @@ def run_point(batch, context, t, cfg, device, timer, started, kv_len_value=None)
                          F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in copies],
         "flex": lambda: flex_arm(device)(q, copies, kv_len, scale),
     }
+    if ARGS.page_size:
+        arms["paged"] = lambda: paged_calls(q, kv_len, scale, batch, hkv, context, d, len(copies), gen, device)
     for n in ARGS.splits:
         arms[f"splits{n}"] = lambda n=n: [lambda k=k, v=v: prefix_attention_triton(q, k, v, kv_len, scale, num_splits=n)
                                           for k, v in copies]
     prepared = {}  # name -> (run, calls per run, method)
-    for name in [*ARGS.arms, *(f"splits{n}" for n in ARGS.splits)]:
+    extra = [*(["paged"] if ARGS.page_size else []), *(f"splits{n}" for n in ARGS.splits)]
+    for name in [*ARGS.arms, *extra]:
         if name == "copy":
             continue
         if name == "flex" and (time.monotonic() - started > ARGS.flex_budget_s or live != context):
@@ -343,6 +376,9 @@ def main() -> int:
     if ARGS.splits:
         print()
         print(split_table(points))
+    if ARGS.page_size:
+        print()
+        print(paged_table(points))
     env["seconds"] = round(time.monotonic() - started, 1)
     Path(ARGS.out).write_text(json.dumps(dict(env=env, correct=True, points=points), indent=1))
     print(f"\nwrote {ARGS.out} ({env['seconds']} s)")

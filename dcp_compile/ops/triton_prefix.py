@@ -79,6 +79,9 @@ from torch.library import triton_op, wrap_triton
 
 from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.attention import prefix_attention, prefix_attention_reference
+from dcp_compile.ops.triton_merge import (  # noqa: F401 - the latent kernels import the merge from here
+    _merge_splits, _merge_splits_kernel, _split_weights, _store_merged,
+)
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
     cache_length, check_inputs, check_lower, flash_config, kernel_width, prefix_flash_triton,
 )
@@ -197,16 +200,40 @@ def _load_block(ptrs, live, cols, MASK_SLOTS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
+def _slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Offsets of logical slots ``offs_s`` in K and V: the slots themselves, or (``PAGE`` > 0)
+    page ``table_row[slot // PAGE]``'s row ``slot % PAGE`` (a page id outside the pool is
+    clamped into it, so a bad table reads wrong keys, never outside the pool)."""
+    if PAGE == 0:
+        k_rows = offs_s * s_ks
+        v_rows = offs_s * s_vs
+    else:
+        if MASKED:
+            page = tl.load(table_row + offs_s // PAGE, mask=live, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row + offs_s // PAGE).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), last_page)
+        within = offs_s % PAGE
+        k_rows = page * s_kp + within * s_ks
+        v_rows = page * s_vp + within * s_vs
+    return k_rows, v_rows
+
+
+@triton.jit
 def _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
                   s_ks, s_kd, s_vs, s_vd, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr):
+                  DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr,
+                  table_row=None, s_kp=0, s_vp=0, last_page=0, PAGE: tl.constexpr = 0):
     """One block of ``BLOCK_S`` slots from ``start``: ``(acc, m, l)`` updated.  ``MASKED``
     for a block that may pass ``hi``.  The scale enters the online softmax as one
-    multiply-add per score (``max(s) * c == max(s * c)`` for ``c > 0``), as in FlashAttention-2."""
+    multiply-add per score (``max(s) * c == max(s * c)`` for ``c > 0``), as in FlashAttention-2.
+    ``PAGE`` > 0: K and V are pools of pages (``_slot_rows``)."""
     offs_s = start + tl.arange(0, BLOCK_S)
     live = offs_s < hi
-    k = _load_block(k_base + offs_s[:, None] * s_ks + offs_d[None, :] * s_kd, live, k_cols, MASKED, DK != D)
-    v = _load_block(v_base + offs_s[:, None] * s_vs + offs_d[None, :] * s_vd, live, v_cols, MASKED, DV != D)
+    k_rows, v_rows = _slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE, MASKED)
+    k = _load_block(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, live, k_cols, MASKED, DK != D)
+    v = _load_block(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, live, v_cols, MASKED, DV != D)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
     if MASKED:
         scores = tl.where(live[None, :], scores, float("-inf"))
@@ -229,6 +256,7 @@ def _prefix_split_kernel(
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, HAS_START: tl.constexpr,
+    TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
 ):
     # D is the tile's head width, a power of two; the keys are DK wide and the values DV
     # (transformers' expanded MLA: 192 and 128), read unpadded under a mask on the head
@@ -259,8 +287,16 @@ def _prefix_split_kernel(
     if HAS_START:
         kv_lo = tl.minimum(tl.maximum(tl.load(KV_START + b), 0), kv_hi).to(tl.int32)
     lo, hi = _split_range(kv_lo, kv_hi, num_splits, split, BLOCK_S)
-    k_base = K + b * s_kb + kv_head.to(tl.int64) * s_kh
-    v_base = V + b * s_vb + kv_head.to(tl.int64) * s_vh
+    # Paged (PAGE > 0): K and V are [pages, Hkv, PAGE, D] pools, their first stride a page's,
+    # and row b of TABLE names the pages of sequence b's slots in order.
+    k_base = K + kv_head.to(tl.int64) * s_kh
+    v_base = V + kv_head.to(tl.int64) * s_vh
+    table_row = TABLE
+    if PAGE == 0:
+        k_base += b * s_kb
+        v_base += b * s_vb
+    else:
+        table_row += b * s_tb
 
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
@@ -272,53 +308,15 @@ def _prefix_split_kernel(
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_S * BLOCK_S
     for start in range(lo, full_hi, BLOCK_S):
         acc, m, l = _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
-                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, False)
+                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, False,
+                                  table_row, s_kb, s_vb, last_page, PAGE)
     if full_hi < hi:
         acc, m, l = _prefix_block(q, k_base, v_base, full_hi, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
-                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, True)
+                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, True,
+                                  table_row, s_kb, s_vb, last_page, PAGE)
 
     _store_partial(acc, m, l, O, LSE, b * s_ob + head * s_oh + tok * s_ot + split * s_os,
                    b * s_lb + head * s_lh + tok * s_lt + split * s_ls, offs_d, row_ok)
-
-
-@triton.jit
-def _split_weights(LSE_PART, row, num_splits, SPLITS: tl.constexpr):
-    """A row's slices' weights ``exp(lse - shift)`` ([SPLITS], 0 past ``num_splits``), the
-    shift (their largest lse) and the weights' sum; the lses are ``[rows, num_splits]``."""
-    offs_n = tl.arange(0, SPLITS)
-    lse = tl.load(LSE_PART + row * num_splits + offs_n, mask=offs_n < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    # No split saw a key: shift by 0 so every weight is exp(-inf) = 0, not exp(NaN).
-    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp(lse - shift)
-    return w, shift, tl.sum(w, 0)
-
-
-@triton.jit
-def _store_merged(O, LSE, row, offs_d, weighted, shift, total, D: tl.constexpr):
-    """A row's merged output (``weighted``: the slices' outputs summed by weight) and lse;
-    a row no slice saw gets 0 and -inf."""
-    seen = total > 0.0
-    total_safe = tl.where(seen, total, 1.0)
-    tl.store(O + row * D + offs_d, weighted / total_safe)
-    tl.store(LSE + row, tl.where(seen, shift + tl.log(total_safe), float("-inf")))
-
-
-@triton.jit
-def _merge_splits_kernel(
-    O_PART, LSE_PART, O, LSE, num_splits,
-    D: tl.constexpr, SPLITS: tl.constexpr,
-):
-    # One program per (b, h, t) row; partials are contiguous [rows, num_splits, (D)].
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D)
-    w, shift, total = _split_weights(LSE_PART, row, num_splits, SPLITS)
-    o = tl.load(
-        O_PART + row * num_splits * D + offs_n[:, None] * D + offs_d[None, :], mask=(offs_n < num_splits)[:, None],
-        other=0.0,
-    )
-    _store_merged(O, LSE, row, offs_d, tl.sum(w[:, None] * o, 0), shift, total, D)
 
 
 def default_block_s(head_dim: int, element_size: int) -> int:
@@ -379,15 +377,6 @@ def _split_outputs(q: torch.Tensor, width: int, num_splits: int):
     return out, lse, o_part, lse_part, o_part.stride()[:4], lse_part.stride()
 
 
-def _merge_splits(o_part, lse_part, out, lse, num_splits: int) -> None:
-    if num_splits > 1:
-        B, H, T, width = (int(n) for n in out.shape)
-        wrap_triton(_merge_splits_kernel)[(B * H * T,)](
-            o_part, lse_part, out, lse, num_splits, D=width, SPLITS=triton.next_power_of_2(num_splits),
-            num_warps=4 if num_splits <= 64 else 8,
-        )
-
-
 def _tiles(q: torch.Tensor, D: int, rows_needed: int, block_s: int | None, rows: int | None) -> tuple[int, int]:
     """``(block_s, rows)`` of a split-KV launch: the caller's, checked, or the defaults
     (``default_block_s``; ``WIDE_ROWS`` past ``MAX_ROWS`` query rows a KV head)."""
@@ -433,24 +422,35 @@ def prefix_attention_triton(
     """
     check_inputs("prefix", q, k_cache, v_cache, kv_len, kernel="prefix-attention")
     check_lower("prefix_attention", "kv_start", kv_start, q)
+    return split_kv_attention(q, k_cache, v_cache, kv_len, scale, int(k_cache.shape[2]), kv_start,
+                              dict(num_splits=num_splits, block_s=block_s, rows=rows, num_warps=num_warps,
+                                   num_stages=num_stages))
+
+
+def split_kv_attention(q, k, v, kv_len, scale, S, kv_start=None, tuning=None, table=None, page=0):
+    """The split-KV launch and its merge over ``S`` slots a sequence, of a ``[B, Hkv, S, D]``
+    cache, or (``page`` > 0) of ``[pages, Hkv, page, D]`` pools through ``table [B, S / page]``.
+    ``tuning``: ``prefix_attention_triton``'s overrides (``None`` each for the defaults)."""
+    tuning = tuning or {}
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
     B, Hq, T, DK = (int(n) for n in q.shape)
-    Hkv, S, DV = int(k_cache.shape[1]), int(k_cache.shape[2]), int(v_cache.shape[3])
+    Hkv, DV = int(k.shape[1]), int(v.shape[3])
     D = kernel_width(DK, DV)
     G = Hq // Hkv
-    block_s, rows = _tiles(q, D, G * T, block_s, rows)
+    block_s, rows = _tiles(q, D, G * T, tuning.get("block_s"), tuning.get("rows"))
     row_blocks = triton.cdiv(G * T, rows)
-    num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, num_splits)
+    num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, tuning.get("num_splits"))
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
+    paging = {} if not page else dict(TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=page)
     wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
-        q, k_cache, v_cache, kv_len, kv_len if kv_start is None else kv_start, o_part, lse_part,
+        q, k, v, kv_len, kv_len if kv_start is None else kv_start, o_part, lse_part,
         scale * 1.4426950408889634,
         S, T, G, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides,
         ROWS=rows, D=D, BLOCK_S=block_s, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=num_warps or NUM_WARPS,
-        num_stages=num_stages or NUM_STAGES,
+        DK=DK, DV=DV, HAS_START=kv_start is not None, num_warps=tuning.get("num_warps") or NUM_WARPS,
+        num_stages=tuning.get("num_stages") or NUM_STAGES, **paging,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     # A step's output (a few hundred rows at most: wider steps fill the GPU and go to the
