@@ -80,8 +80,10 @@ from torch.library import triton_op, wrap_triton
 
 from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.attention import check_ancestors, window_attention, window_attention_reference
+from dcp_compile.ops.kernel_checks import (  # noqa: F401 - the other kernels' modules import them from here
+    SUPPORTED_DTYPES, check_index, check_inputs, check_lower, kernel_width,
+)
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
 """What ``block_m`` / ``block_n`` overrides may take (16 is ``tl.dot``'s smallest tile)."""
 NARROW_ROW_BYTES = 256
@@ -155,6 +157,27 @@ def window_bounds_from(POS_ROW, s_post, T, q_min, q_max, low, SCAN: tl.constexpr
 
 
 @triton.jit
+def slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Offsets of logical slots ``offs_s`` in K and V: the slots themselves, or (``PAGE`` > 0)
+    page ``table_row[slot // PAGE]``'s row ``slot % PAGE`` (a page id outside the pool is
+    clamped into it, so a bad table reads wrong keys, never outside the pool)."""
+    if PAGE == 0:
+        k_rows = offs_s * s_ks
+        v_rows = offs_s * s_vs
+    else:
+        if MASKED:
+            page = tl.load(table_row + offs_s // PAGE, mask=live, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row + offs_s // PAGE).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), last_page)
+        within = offs_s % PAGE
+        k_rows = page * s_kp + within * s_ks
+        v_rows = page * s_vp + within * s_vs
+    return k_rows, v_rows
+
+
+@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, KV_LEN, POS, LOWER, ANC, O, LSE,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -169,7 +192,7 @@ def _flash_fwd_kernel(
     s_lb, s_lh, s_lt,
     WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_LOWER: tl.constexpr,
-    HAS_ANCESTORS: tl.constexpr,
+    HAS_ANCESTORS: tl.constexpr, TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
 ):
     # D is the tile's head width, a power of two; q and the keys are DK wide, the values
     # and the output DV (transformers' expanded MLA: 192 and 128), read and written
@@ -223,10 +246,16 @@ def _flash_fwd_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     lo_block = (first // BLOCK_N) * BLOCK_N
+    # Paged (PAGE > 0, the prefix form): K and V are [pages, Hkv, PAGE, D] pools, their first
+    # stride a page's, read through row b of TABLE (slot_rows) block by block.
     k_ptrs = (K + b * s_kb + kv_head.to(tl.int64) * s_kh + lo_block.to(tl.int64) * s_ks + offs_n[:, None] * s_ks
               + offs_d[None, :] * s_kd)
     v_ptrs = (V + b * s_vb + kv_head.to(tl.int64) * s_vh + lo_block.to(tl.int64) * s_vs + offs_n[:, None] * s_vs
               + offs_d[None, :] * s_vd)
+    if PAGE > 0:
+        table_row = TABLE + b * s_tb
+        k_head = K + kv_head.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
+        v_head = V + kv_head.to(tl.int64) * s_vh + offs_d[None, :] * s_vd
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -243,6 +272,10 @@ def _flash_fwd_kernel(
             anc = tl.load(anc_rows[:, None] + keys[None, :] * s_as, mask=live[None, :], other=0) != 0
             # A key no row of the tile sees is not loaded: 0 * NaN cannot reach the sum.
             live = live & (tl.max(anc.to(tl.int32), 0) > 0)
+        if PAGE > 0:
+            k_rows, v_rows = slot_rows(table_row, keys, live, s_kb, s_ks, s_vb, s_vs, last_page, PAGE, True)
+            k_ptrs = k_head + k_rows[:, None]
+            v_ptrs = v_head + v_rows[:, None]
         if DK == D:  # the mask on the head axis only where it masks something
             k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
         else:
@@ -297,61 +330,6 @@ def flash_config(head_dim: int, element_size: int, window: bool) -> tuple[int, i
     return WINDOW_TILE if window else PREFIX_TILE
 
 
-def check_inputs(
-    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, kernel: str = "flash-attention"
-) -> None:
-    """Refuse what a Triton attention kernel cannot run, saying what it expected, what it
-    got and the fix; ``form`` is ``"prefix"`` (``extra`` = kv_len) or ``"window"``
-    (``extra`` = positions); ``kernel`` names the kernel in the messages.  The kernels
-    mask the head axis, so the values may be narrower or wider than the keys and neither
-    width need be a power of two; each is at most 256."""
-    kv = ("k_cache", "v_cache") if form == "prefix" else ("k_new", "v_new")
-    keys = "S" if form == "prefix" else "T"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(
-            f"{form}_attention expects q [B,Hq,T,D], {kv[0]} [B,Hkv,{keys},D] and {kv[1]} [B,Hkv,{keys},Dv]; got q "
-            f"{tuple(q.shape)}, {kv[0]} {tuple(k.shape)}, {kv[1]} {tuple(v.shape)}"
-        )
-    B, Hq, T, D = q.shape
-    Bk, Hkv, Sk, Dk = k.shape
-    if Bk != B or Dk != D or Hkv == 0 or Hq % Hkv or (form == "window" and Sk != T):
-        same_t = " and the same T (one key per new token)" if form == "window" else ""
-        raise ValueError(
-            f"{form}_attention: q {tuple(q.shape)} does not match {kv[0]} {tuple(k.shape)}: need the same B and "
-            f"D{same_t}, and Hq a multiple of Hkv; transpose to [B, heads, tokens, D] if the heads are not dim 1"
-        )
-    if kernel_width(D, v.shape[-1]) is None:
-        raise ValueError(f"the Triton {kernel} kernel takes keys and values at most 256 wide, got {D} and "
-                         f"{v.shape[-1]}: run the reference (dcp_compile.ops.prefix_attention and window_attention "
-                         f"run it on CUDA for such widths)")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"the Triton {kernel} kernel takes q, {kv[0]}, {kv[1]} of one dtype among {SUPPORTED_DTYPES}; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one of those"
-        )
-    window = form == "window"
-    check_index(f"{form}_attention", "positions" if window else "kv_len", extra, B, T if window else None,
-                {"q": q, kv[0]: k, kv[1]: v})
-
-
-def check_index(op: str, name: str, index: torch.Tensor, B: int, T: int | None, operands: dict) -> None:
-    """``index`` (``kv_len [B]``, or ``positions [B, T]`` where ``T`` is given) must be an
-    integer tensor of that shape on the one device of ``operands`` (name -> tensor): the
-    kernels index memory with it.  ``op`` names the caller in the messages."""
-    shape = (B,) if T is None else (B, T)
-    if tuple(index.shape) != shape or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise ValueError(
-            f"{name} must be an integer tensor {list(shape)} (B={B}" + (f", T={T}" if T is not None else "")
-            + f"), got {index.dtype} {tuple(index.shape)}"
-        )
-    devices = {t.device for t in (*operands.values(), index)}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{op}: {', '.join(operands)} and {name} must be on one device, got "
-            f"{', '.join(str(t.device) for t in operands.values())}, {index.device}; move {name} with .to(q.device)"
-        )
-
-
 def scan_block(T: int, window: bool) -> int:
     """Positions a window kernel scans a step for its tile's key range (a power of two
     up to ``SCAN_BLOCK``); the prefix forms read none, so they take the smallest."""
@@ -367,15 +345,18 @@ def _blocks(q: torch.Tensor, width: int, window: bool, block_m: int | None,
     return block_m or default_m, block_n or default_n, num_warps, num_stages
 
 
-def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ancestors=None):
+def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ancestors=None, table=None):
     """Launch the kernel in the prefix form (``kv_len`` given) or the window form;
     ``lower``: the rows' left-padding bounds (``kv_start`` of the prefix, ``lower`` of
-    the window); ``ancestors``: the window's tree mask."""
+    the window); ``ancestors``: the window's tree mask; ``table``: the prefix form over
+    ``[pages, Hkv, P, D]`` pools through a block table ``[B, n]`` (``n * P`` slots a row)."""
     window = positions is not None
     # Shapes fix the grid and the tile sizes: a graph traced with symbolic sizes
     # specializes on them here.
     B, Hq, T, DK = (int(n) for n in q.shape)
     Hkv, S, DV = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    paging = {} if table is None else dict(TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=S)
+    S = S if table is None else int(table.shape[1]) * S
     D = kernel_width(DK, DV)
     out = torch.empty((B, Hq, T, DV), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, Hq, T), device=q.device, dtype=torch.float32)
@@ -400,7 +381,7 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ance
         *out.stride(), *lse.stride(),
         WINDOW=window, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SCAN=scan,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DK=DK, DV=DV, HAS_LOWER=lower is not None,
-        HAS_ANCESTORS=ancestors is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_ANCESTORS=ancestors is not None, num_warps=num_warps, num_stages=num_stages, **paging,
     )
     return out, lse
 
@@ -428,6 +409,12 @@ def prefix_flash_triton(
     return _flash(q, k_cache, v_cache, kv_len, None, scale, block_m, block_n, kv_start)
 
 
+def paged_flash(q, k_pool, v_pool, table, kv_len, scale, kv_start=None, block_m=None, block_n=None):
+    """The prefix form over pools through ``table`` (checked by the caller:
+    ``triton_paged.paged_prefix_attention_triton``)."""
+    return _flash(q, k_pool, v_pool, kv_len, None, scale, block_m, block_n, kv_start, table=table)
+
+
 @triton_op("dcp::window_flash_triton", mutates_args=())
 def window_flash_triton(
     q: torch.Tensor,
@@ -450,19 +437,6 @@ def window_flash_triton(
     check_lower("window_attention", "lower", lower, q)
     check_ancestors(ancestors, q)
     return _flash(q, k_new, v_new, None, positions, scale, block_m, block_n, lower, ancestors)
-
-
-def check_lower(op: str, name: str, lower: torch.Tensor | None, q: torch.Tensor) -> None:
-    """A left-padding bound, where given, is an integer tensor ``[B]`` on ``q``'s device."""
-    if lower is not None:
-        check_index(op, name, lower, int(q.shape[0]), None, {"q": q})
-
-
-def kernel_width(k_width: int, v_width: int) -> int | None:
-    """The head width the Triton kernels run keys ``k_width`` and values ``v_width``
-    wide at: the power of two in ``[16, 256]`` at or above both; None past 256."""
-    width = max(16, 1 << (max(k_width, v_width) - 1).bit_length())
-    return width if width <= 256 else None
 
 
 def _window_form(k_new, v_new):

@@ -1,12 +1,14 @@
-"""The split-KV kernel of ``triton_prefix.py`` reading a paged cache through its block
-table: ``dcp::paged_prefix_attention`` on CUDA.
+"""The prefix kernels (``triton_prefix.py``'s split-KV, ``triton_flash.py``'s flash) reading
+a paged cache through its block table: ``dcp::paged_prefix_attention`` on CUDA.
 
-The kernel is the unpaged one with each block's slot offsets looked up in the table
-(``_slot_rows``): one gathered load of ``BLOCK_S`` page ids a block, then the same K and
-V loads, softmax and merge.  Slices are cut from the table's width (``n * P`` slots a
-sequence), as the unpaged kernel cuts them from the cache's ``S``.  Registered as that
-module registers ``prefix_attention``: eager CUDA calls through ``register_kernel``, and
-under ``torch.compile`` a ``FunctionalTensorMode`` rule hands Inductor the launches."""
+The kernels are the unpaged ones with each block's slot offsets looked up in the table
+(``triton_flash.slot_rows``): one gathered load of a block's page ids, then the same K
+and V loads and softmax.  The split-KV kernel cuts its slices from the table's width
+(``n * P`` slots a sequence), as it cuts them from an unpaged cache's ``S``; prefill
+chunks whose tiles fill the GPU go to the flash kernel, as unpaged ones do.  Registered
+as ``triton_prefix.py`` registers ``prefix_attention``: eager CUDA calls through
+``register_kernel``, and under ``torch.compile`` a ``FunctionalTensorMode`` rule hands
+Inductor the launches."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from torch.library import triton_op
 
 from dcp_compile.ops.inlining import kernels_inlined
 from dcp_compile.ops.paged import check_paged, paged_prefix_attention, paged_prefix_attention_reference
-from dcp_compile.ops.triton_flash import check_index, check_lower, kernel_width
-from dcp_compile.ops.triton_prefix import SUPPORTED_DTYPES, split_kv_attention
+from dcp_compile.ops.kernel_checks import SUPPORTED_DTYPES, check_index, check_lower, kernel_width
+from dcp_compile.ops.triton_flash import paged_flash
+from dcp_compile.ops.triton_prefix import prefix_kernel, sm_count_of, split_kv_attention
 
 
 def _check_kernel_inputs(q, k_pool, v_pool, kv_len) -> None:
@@ -47,16 +50,26 @@ def paged_prefix_attention_triton(
     kv_start: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_s: int | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_prefix_attention`` by the split-KV kernel: ``(out fp32 [B,Hq,T,Dv], lse fp32
-    [B,Hq,T])``; ``num_splits`` and ``block_s`` as in ``prefix_attention_triton``."""
+    """``paged_prefix_attention`` by the Triton kernels: ``(out fp32 [B,Hq,T,Dv], lse fp32
+    [B,Hq,T])``.  The kernel is the one ``prefix_kernel`` picks for the unpaged cache (the
+    split-KV kernel for decode and verify steps, the flash kernel for prefill chunks that
+    fill the GPU), or ``kernel`` (``"split"`` or ``"flash"``) for tests and tuning;
+    ``num_splits`` and ``block_s`` tune the split-KV kernel as in ``prefix_attention_triton``."""
     check_paged(q, k_pool, v_pool, block_table, kv_len)
     _check_kernel_inputs(q, k_pool, v_pool, kv_len)
     check_lower("paged_prefix_attention", "kv_start", kv_start, q)
-    S = int(block_table.shape[1]) * int(k_pool.shape[2])
-    return split_kv_attention(q, k_pool, v_pool, kv_len, scale, S, kv_start,
-                              dict(num_splits=num_splits, block_s=block_s), table=block_table,
-                              page=int(k_pool.shape[2]))
+    page = int(k_pool.shape[2])
+    if kernel not in (None, "split", "flash"):
+        raise ValueError(f"kernel must be 'split', 'flash' or None (chosen by the step's shape), got {kernel!r}")
+    B, Hq, T, D = (int(n) for n in q.shape)
+    kernel = kernel or prefix_kernel(B, Hq, int(k_pool.shape[1]), T, kernel_width(D, int(v_pool.shape[-1])),
+                                     q.element_size(), sm_count_of(q.device))
+    if kernel == "flash":
+        return paged_flash(q, k_pool, v_pool, block_table, kv_len, scale, kv_start)
+    return split_kv_attention(q, k_pool, v_pool, kv_len, scale, int(block_table.shape[1]) * page, kv_start,
+                              dict(num_splits=num_splits, block_s=block_s), table=block_table, page=page)
 
 
 def _runs_on_kernel(q, k_pool, v_pool) -> bool:

@@ -82,11 +82,11 @@ from dcp_compile.ops.attention import prefix_attention, prefix_attention_referen
 from dcp_compile.ops.triton_merge import (  # noqa: F401 - the latent kernels import the merge from here
     _merge_splits, _merge_splits_kernel, _split_weights, _store_merged,
 )
+from dcp_compile.ops.kernel_checks import SUPPORTED_DTYPES
 from dcp_compile.ops.triton_flash import (  # imports nothing of this module: no cycle
-    cache_length, check_inputs, check_lower, flash_config, kernel_width, prefix_flash_triton,
+    cache_length, slot_rows, check_inputs, check_lower, flash_config, kernel_width, prefix_flash_triton,
 )
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 64
 """Query rows (G * T) one program holds in a decode or chain-verify step."""
 WIDE_ROWS = 128
@@ -200,27 +200,6 @@ def _load_block(ptrs, live, cols, MASK_SLOTS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
-def _slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE: tl.constexpr,
-               MASKED: tl.constexpr):
-    """Offsets of logical slots ``offs_s`` in K and V: the slots themselves, or (``PAGE`` > 0)
-    page ``table_row[slot // PAGE]``'s row ``slot % PAGE`` (a page id outside the pool is
-    clamped into it, so a bad table reads wrong keys, never outside the pool)."""
-    if PAGE == 0:
-        k_rows = offs_s * s_ks
-        v_rows = offs_s * s_vs
-    else:
-        if MASKED:
-            page = tl.load(table_row + offs_s // PAGE, mask=live, other=0).to(tl.int64)
-        else:
-            page = tl.load(table_row + offs_s // PAGE).to(tl.int64)
-        page = tl.minimum(tl.maximum(page, 0), last_page)
-        within = offs_s % PAGE
-        k_rows = page * s_kp + within * s_ks
-        v_rows = page * s_vp + within * s_vs
-    return k_rows, v_rows
-
-
-@triton.jit
 def _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
                   s_ks, s_kd, s_vs, s_vd, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr,
@@ -228,10 +207,10 @@ def _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_c
     """One block of ``BLOCK_S`` slots from ``start``: ``(acc, m, l)`` updated.  ``MASKED``
     for a block that may pass ``hi``.  The scale enters the online softmax as one
     multiply-add per score (``max(s) * c == max(s * c)`` for ``c > 0``), as in FlashAttention-2.
-    ``PAGE`` > 0: K and V are pools of pages (``_slot_rows``)."""
+    ``PAGE`` > 0: K and V are pools of pages (``slot_rows``)."""
     offs_s = start + tl.arange(0, BLOCK_S)
     live = offs_s < hi
-    k_rows, v_rows = _slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE, MASKED)
+    k_rows, v_rows = slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE, MASKED)
     k = _load_block(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, live, k_cols, MASKED, DK != D)
     v = _load_block(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, live, v_cols, MASKED, DV != D)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)

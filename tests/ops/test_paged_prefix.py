@@ -25,7 +25,7 @@ SCALE = 0.125
 
 
 def paged_case(seed, *, page, kv_len, capacity, t=1, g=4, hkv=2, d=64, dtype=torch.float32, spare_pages=3,
-               kv_start=None, **tuning):
+               kv_start=None, kernel=None, **tuning):
     """``(paged args, unpaged args, clean static K/V)``: the static cache ``[B, Hkv,
     capacity, D]`` cut into pages, scattered into a pool of ``spare_pages`` more pages in a
     shuffled order; unused slots and unused pages hold NaN."""
@@ -47,7 +47,7 @@ def paged_case(seed, *, page, kv_len, capacity, t=1, g=4, hkv=2, d=64, dtype=tor
     q = torch.randn(B, hkv * g, t, d, generator=gen).to(dtype)
     start = None if kv_start is None else torch.tensor(kv_start)
     paged = dict(q=q, k_pool=k_pool, v_pool=v_pool, block_table=table, kv_len=lengths, scale=SCALE, kv_start=start,
-                 **tuning)
+                 kernel=kernel, **tuning)
     unpaged = dict(q=q, k_cache=k_nan, v_cache=v_nan, kv_len=lengths, scale=SCALE, kv_start=start, **tuning)
     return paged, unpaged, (k, v)
 
@@ -62,7 +62,14 @@ CASES = {
     "page16-kv-start": paged_case(5, page=16, kv_len=(100, 64), capacity=112, kv_start=(20, 0), num_splits=2,
                                   block_s=16),
     "page16-bf16": paged_case(6, page=16, kv_len=(150, 3, 64), capacity=160, t=2, dtype=torch.bfloat16),
+    # The flash kernel (prefill chunks): pages smaller and larger than its 64-key blocks.
+    "flash-page16": paged_case(7, page=16, kv_len=(150, 0, 77), capacity=160, t=9, kernel="flash"),
+    "flash-page128-kv-start": paged_case(8, page=128, kv_len=(300, 129), capacity=384, t=3, kernel="flash",
+                                         kv_start=(5, 0)),
+    "flash-page32-bf16": paged_case(9, page=32, kv_len=(96, 50), capacity=128, t=6, g=2, kernel="flash",
+                                    dtype=torch.bfloat16),
 }
+FLASH = [name for name in CASES if name.startswith("flash")]
 
 
 def interpret(tmp_path, op, cases):
@@ -81,7 +88,10 @@ def kernels(tmp_path_factory):
     folder = tmp_path_factory.mktemp("paged_interpret")
     paged = interpret(folder, "triton_paged.paged_prefix_attention_triton",
                       {name: args for name, (args, _, _) in CASES.items()})
-    unpaged = interpret(folder, "prefix_attention_triton", {name: args for name, (_, args, _) in CASES.items()})
+    unpaged = interpret(folder, "prefix_attention_triton",
+                        {name: args for name, (_, args, _) in CASES.items() if name not in FLASH})
+    unpaged |= interpret(folder, "triton_flash.prefix_flash_triton",
+                         {name: args for name, (_, args, _) in CASES.items() if name in FLASH})
     return paged, unpaged
 
 
@@ -104,7 +114,7 @@ def test_paged_kernel_matches_the_unpaged_kernel_and_float64(kernels, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_op_on_cpu_is_the_unpaged_op_over_the_static_cache(name):
     paged_args, unpaged_args, _ = CASES[name]
-    tuning = ("num_splits", "block_s")
+    tuning = ("num_splits", "block_s", "kernel")
     out, lse = paged_prefix_attention(**{n: a for n, a in paged_args.items() if n not in tuning})
     static_out, static_lse = prefix_attention(**{n: a for n, a in unpaged_args.items() if n not in tuning})
     assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
@@ -129,7 +139,7 @@ def test_gather_pages_puts_each_slot_where_the_table_says():
 def test_bad_pools_and_tables_are_refused_with_what_was_expected(change, match):
     args = dict(CASES["page32-default"][0])
     with pytest.raises(ValueError, match=match):
-        paged_prefix_attention(**{**{n: a for n, a in args.items() if n != "tuning"}, **change})
+        paged_prefix_attention(**{**{n: a for n, a in args.items() if n != "kernel"}, **change})
 
 
 def _trace(device):
@@ -169,12 +179,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_kernel_matches_the_unpaged_kernel_on_gpu(name):
-    from dcp_compile.ops import paged_prefix_attention_triton, prefix_attention_triton
+    from dcp_compile.ops import paged_prefix_attention_triton, prefix_attention_triton, prefix_flash_triton
 
     paged_args, unpaged_args, _ = CASES[name]
     cuda = lambda args: {n: a.cuda() if isinstance(a, torch.Tensor) else a for n, a in args.items()}  # noqa: E731
     out, lse = paged_prefix_attention_triton(**cuda(paged_args))
-    static_out, static_lse = prefix_attention_triton(**cuda(unpaged_args))
+    unpaged = prefix_flash_triton if name in FLASH else prefix_attention_triton
+    static_out, static_lse = unpaged(**cuda(unpaged_args))
     assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
 
 
