@@ -8,15 +8,16 @@ most ``n * P`` slots; its ``kv_len`` counts them, and table entries past its las
 are never read.
 
 The op answers what ``dcp::prefix_attention`` answers over the gathered cache
-(``gather_pages``): on CPU by gathering and running the reference, on CUDA by the split-KV
-kernel reading through the table (``triton_paged.py``), bitwise-equal in fp32 to the same
-kernel over the gathered cache."""
+(``gather_pages``): on CPU by gathering and running the reference, on CUDA by the prefix
+kernels reading through the table (``triton_paged.py``), bitwise-equal in fp32 to the same
+kernel over the gathered cache.  ``dcp::paged_latent_prefix_attention`` is MLA's form:
+``latent_prefix_attention`` over latent and rope-key pools."""
 
 from __future__ import annotations
 
 import torch
 
-from dcp_compile.ops.attention import prefix_attention_reference
+from dcp_compile.ops.attention import latent_prefix_attention_reference, prefix_attention_reference
 
 
 def gather_pages(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -66,3 +67,27 @@ def paged_prefix_attention(
 def _paged_fake(q, k_pool, v_pool, block_table, kv_len, scale, kv_start=None):
     B, H, T, _ = q.shape
     return q.new_empty((B, H, T, v_pool.shape[-1]), dtype=torch.float32), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def paged_latent_prefix_attention_reference(q, latent_pool, rope_pool, block_table, kv_len, scale):
+    """``paged_latent_prefix_attention`` in plain torch, on any device."""
+    check_paged(q, latent_pool, rope_pool, block_table, kv_len)
+    return latent_prefix_attention_reference(q, gather_pages(latent_pool, block_table),
+                                             gather_pages(rope_pool, block_table), kv_len, scale)
+
+
+@torch.library.custom_op("dcp::paged_latent_prefix_attention", mutates_args=())
+def paged_latent_prefix_attention(
+    q: torch.Tensor, latent_pool: torch.Tensor, rope_pool: torch.Tensor, block_table: torch.Tensor,
+    kv_len: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's prefix (``latent_prefix_attention``) over the latent ``[pages, 1, P, C]`` and
+    rope-key ``[pages, 1, P, R]`` pools through ``block_table``."""
+    return paged_latent_prefix_attention_reference(q, latent_pool, rope_pool, block_table, kv_len, scale)
+
+
+@paged_latent_prefix_attention.register_fake
+def _paged_latent_fake(q, latent_pool, rope_pool, block_table, kv_len, scale):
+    B, H, T, _ = q.shape
+    return (q.new_empty((B, H, T, latent_pool.shape[-1]), dtype=torch.float32),
+            q.new_empty((B, H, T), dtype=torch.float32))

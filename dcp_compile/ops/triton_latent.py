@@ -29,7 +29,7 @@ from dcp_compile.ops.attention import (
     latent_prefix_attention, latent_prefix_attention_reference, latent_window_attention,
     latent_window_attention_reference,
 )
-from dcp_compile.ops.triton_flash import cache_length, check_index, scan_block, window_bounds
+from dcp_compile.ops.triton_flash import cache_length, check_index, scan_block, slot_rows, window_bounds
 from dcp_compile.ops.triton_prefix import (
     MAX_ROWS, SUPPORTED_DTYPES, WIDE_HEAD_SPLITS, _masked_softmax_step, _merge_splits, _num_splits, _softmax_step,
     _split_outputs, _split_range, _store_partial,
@@ -53,7 +53,7 @@ def _latent_split_kernel(
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr, SCAN: tl.constexpr,
+    CAUSAL: tl.constexpr, SCAN: tl.constexpr, TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
 ):
     """MLA's prefix: every query head against one latent head.  Scores add ``q[:C] .
     latent`` and ``q[C:] . rope_key``; the values are the latent tile already loaded for
@@ -67,7 +67,10 @@ def _latent_split_kernel(
 
     Rows are (head, token) pairs, ``ROWS`` of them a program: at decode all heads of a
     sequence share each load; for a prefill chunk of ``T`` tokens a program holds
-    ``ROWS`` consecutive tokens of one head, a flash-attention tile."""
+    ``ROWS`` consecutive tokens of one head, a flash-attention tile.
+
+    ``PAGE`` > 0 (the prefix only): the latent and rope key are ``[pages, 1, PAGE, .]``
+    pools, their first stride a page's, read through row ``b`` of ``TABLE`` (``slot_rows``)."""
     split = tl.program_id(0)
     row_block = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -88,8 +91,13 @@ def _latent_split_kernel(
         lo = 0
     else:
         lo, hi = _split_range(0, cache_length(KV_LEN, b, S), num_splits, split, BLOCK_S)
-    kv_base = KV + b * s_cb
-    pe_base = PE + b * s_pb
+    kv_base = KV
+    pe_base = PE
+    if PAGE == 0:
+        kv_base += b * s_cb
+        pe_base += b * s_pb
+    else:
+        table_row = TABLE + b * s_tb
 
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
@@ -97,8 +105,13 @@ def _latent_split_kernel(
     for start in range(lo, hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         live = offs_s < hi
-        kv = tl.load(kv_base + offs_s[:, None] * s_cs + offs_c[None, :] * s_cd, mask=live[:, None], other=0.0)
-        pe = tl.load(pe_base + offs_s[:, None] * s_ps + offs_r[None, :] * s_pd, mask=live[:, None], other=0.0)
+        if PAGE == 0:
+            kv_rows = offs_s * s_cs
+            pe_rows = offs_s * s_ps
+        else:
+            kv_rows, pe_rows = slot_rows(table_row, offs_s, live, s_cb, s_cs, s_pb, s_ps, last_page, PAGE, True)
+        kv = tl.load(kv_base + kv_rows[:, None] + offs_c[None, :] * s_cd, mask=live[:, None], other=0.0)
+        pe = tl.load(pe_base + pe_rows[:, None] + offs_r[None, :] * s_pd, mask=live[:, None], other=0.0)
         scores = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
         scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         scores = (scores * qk_scale).to(tl.float32)
@@ -194,19 +207,25 @@ def latent_prefix_kernel(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tens
     return "seesaw" if gluon_latent.gluon_latent_fits(q, latent, rope) else "split"
 
 
-def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict):
-    """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``)."""
-    check_latent_inputs(q, latent, rope, kv_len, positions)
+def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overrides: dict, table=None):
+    """Both latent kernels: the prefix (``kv_len``) or the causal window (``positions``);
+    ``table``: the prefix over ``[pages, 1, P, .]`` pools through a block table ``[B, n]``
+    (checked by the caller), on the split-KV kernel."""
+    if table is None:
+        check_latent_inputs(q, latent, rope, kv_len, positions)
     if not latent_kernel_fits(q, latent, rope):
         raise ValueError(
             f"the latent kernel takes q [B, H, T, C + R] with H * T <= {MAX_GRID_Y * MAX_ROWS}, latent [B, 1, S, C] "
             f"and rope [B, 1, S, R] with C and R powers of two >= 16 in {SUPPORTED_DTYPES}; got {tuple(q.shape)}, "
             f"{tuple(latent.shape)}, {tuple(rope.shape)}, {q.dtype} (a prefill chunk this large: use smaller chunks)"
         )
-    if positions is None and latent_prefix_kernel(q, latent, rope, overrides) == "seesaw":
+    if positions is None and table is None and latent_prefix_kernel(q, latent, rope, overrides) == "seesaw":
         return torch.ops.dcp.latent_prefix_attention_gluon(q, latent, rope, kv_len, scale, num_splits)
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
+    paging = {} if table is None else dict(TABLE=table, s_tb=table.stride(0), last_page=int(latent.shape[0]) - 1,
+                                           PAGE=S)
+    S = S if table is None else int(table.shape[1]) * S
     tiles = latent_tiles(H * T, C + R, q.element_size())
     for name, value in overrides.items():
         if value is not None:
@@ -232,7 +251,7 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
         ROWS=tiles["rows"], C=C, R=R, BLOCK_S=tiles["block_s"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
         SCAN=scan_block(S, causal),
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **paging,
     )
     _merge_splits(o_part, lse_part, out, lse, num_splits)
     return out, lse
@@ -302,3 +321,9 @@ def _register_latent(op, reference, kernel) -> None:
 
 _register_latent(latent_prefix_attention, latent_prefix_attention_reference, latent_prefix_attention_triton)
 _register_latent(latent_window_attention, latent_window_attention_reference, latent_window_attention_triton)
+
+
+def paged_latent_launch(q, latent_pool, rope_pool, table, kv_len, scale, num_splits=None, overrides=None):
+    """The latent prefix over pools through ``table``, on the split-KV kernel (checked by
+    the caller: ``triton_paged.paged_latent_prefix_attention_triton``)."""
+    return _latent_launch(q, latent_pool, rope_pool, kv_len, None, scale, num_splits, overrides or {}, table=table)

@@ -17,9 +17,13 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
 from dcp_compile.ops.inlining import kernels_inlined
-from dcp_compile.ops.paged import check_paged, paged_prefix_attention, paged_prefix_attention_reference
+from dcp_compile.ops.paged import (
+    check_paged, paged_latent_prefix_attention, paged_latent_prefix_attention_reference, paged_prefix_attention,
+    paged_prefix_attention_reference,
+)
 from dcp_compile.ops.kernel_checks import SUPPORTED_DTYPES, check_index, check_lower, kernel_width
 from dcp_compile.ops.triton_flash import paged_flash
+from dcp_compile.ops.triton_latent import latent_kernel_fits, paged_latent_launch
 from dcp_compile.ops.triton_prefix import prefix_kernel, sm_count_of, split_kv_attention
 
 
@@ -90,3 +94,50 @@ def _paged_functional(mode, op, types, args, kwargs):
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
         return paged_prefix_attention_triton(*args, **kwargs)
+
+
+@triton_op("dcp::paged_latent_prefix_attention_triton", mutates_args=())
+def paged_latent_prefix_attention_triton(
+    q: torch.Tensor,
+    latent_pool: torch.Tensor,
+    rope_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_s: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_latent_prefix_attention`` by the latent split-KV kernel (the seesaw kernel
+    reads a contiguous latent through TMA and takes no table): ``(out fp32 [B, H, T, C],
+    lse fp32 [B, H, T])``; ``num_splits`` and ``block_s`` as in ``latent_prefix_attention_triton``."""
+    check_paged(q, latent_pool, rope_pool, block_table, kv_len)
+    if not latent_kernel_fits(q, latent_pool, rope_pool) or not q.dtype == latent_pool.dtype == rope_pool.dtype:
+        raise ValueError(
+            f"the paged latent kernel takes q [B, H, T, C + R], latent [pages, 1, P, C] and rope [pages, 1, P, R] "
+            f"pools with C and R powers of two >= 16, all in one of {SUPPORTED_DTYPES}; got {tuple(q.shape)} "
+            f"{q.dtype}, {tuple(latent_pool.shape)} {latent_pool.dtype}, {tuple(rope_pool.shape)} {rope_pool.dtype}")
+    check_index("paged_latent_prefix_attention", "kv_len", kv_len, int(q.shape[0]), None,
+                {"q": q, "latent_pool": latent_pool, "rope_pool": rope_pool})
+    return paged_latent_launch(q, latent_pool, rope_pool, block_table, kv_len, scale, num_splits,
+                               dict(block_s=block_s))
+
+
+def _latent_on_kernel(q, latent_pool, rope_pool) -> bool:
+    return q.device.type == "cuda" and latent_kernel_fits(q, latent_pool, rope_pool)
+
+
+@paged_latent_prefix_attention.register_kernel("cuda")
+def _paged_latent_cuda(q, latent_pool, rope_pool, block_table, kv_len, scale):
+    if not _latent_on_kernel(q, latent_pool, rope_pool):
+        return paged_latent_prefix_attention_reference(q, latent_pool, rope_pool, block_table, kv_len, scale)
+    return paged_latent_prefix_attention_triton(q, latent_pool, rope_pool, block_table, kv_len, scale)
+
+
+@paged_latent_prefix_attention.register_torch_dispatch(FunctionalTensorMode)
+def _paged_latent_functional(mode, op, types, args, kwargs):
+    names = ("q", "latent_pool", "rope_pool")
+    q, latent_pool, rope_pool = (list(args) + [kwargs.get(n) for n in names][len(args):])[:3]
+    if not kernels_inlined() or not _latent_on_kernel(q, latent_pool, rope_pool):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return paged_latent_prefix_attention_triton(*args, **kwargs)

@@ -72,6 +72,45 @@ CASES = {
 FLASH = [name for name in CASES if name.startswith("flash")]
 
 
+def scatter_into_pages(caches, page, gen, spare_pages=3):
+    """Static caches ``[B, H, n * page, D]`` (NaN where unused) cut into pages and scattered
+    into pools with ``spare_pages`` more pages of NaN, in a shuffled order: ``(pools, table)``."""
+    B, _, S, _ = caches[0].shape
+    n = S // page
+    pages = B * n + spare_pages
+    table = torch.randperm(pages, generator=gen)[: B * n].view(B, n).to(torch.int32)
+    pools = []
+    for cache in caches:
+        H, D = cache.shape[1], cache.shape[3]
+        pool = torch.full((pages, H, page, D), float("nan"), dtype=cache.dtype)
+        pool[table.reshape(-1).long()] = cache.view(B, H, n, page, D).transpose(1, 2).reshape(-1, H, page, D)
+        pools.append(pool)
+    return pools, table
+
+
+def latent_case(seed, *, page, kv_len, capacity, t=1, heads=4, c=32, r=16, dtype=torch.float32, **tuning):
+    """``(paged args, unpaged args, clean latent and rope)`` for MLA's latent prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    B, S = len(kv_len), -(-capacity // page) * page
+    latent, rope = torch.randn(B, 1, S, c, generator=gen).to(dtype), torch.randn(B, 1, S, r, generator=gen).to(dtype)
+    lengths = torch.tensor(kv_len)
+    unused = (torch.arange(S)[None, :] >= lengths[:, None])[:, None, :, None]
+    with_nan = [x.masked_fill(unused, float("nan")) for x in (latent, rope)]
+    (latent_pool, rope_pool), table = scatter_into_pages(with_nan, page, gen)
+    q = torch.randn(B, heads, t, c + r, generator=gen).to(dtype)
+    paged = dict(q=q, latent_pool=latent_pool, rope_pool=rope_pool, block_table=table, kv_len=lengths, scale=SCALE,
+                 **tuning)
+    unpaged = dict(q=q, latent=with_nan[0], rope=with_nan[1], kv_len=lengths, scale=SCALE, **tuning)
+    return paged, unpaged, (latent, rope)
+
+
+LATENT = {
+    "latent-page16": latent_case(11, page=16, kv_len=(0, 150, 77), capacity=160, num_splits=3, block_s=16),
+    "latent-page64-verify": latent_case(12, page=64, kv_len=(64, 130), capacity=192, t=4, block_s=32),
+    "latent-page16-bf16": latent_case(13, page=16, kv_len=(150, 5), capacity=160, t=2, dtype=torch.bfloat16),
+}
+
+
 def interpret(tmp_path, op, cases):
     torch.save(cases, tmp_path / f"{op}-cases.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -92,6 +131,9 @@ def kernels(tmp_path_factory):
                         {name: args for name, (_, args, _) in CASES.items() if name not in FLASH})
     unpaged |= interpret(folder, "triton_flash.prefix_flash_triton",
                          {name: args for name, (_, args, _) in CASES.items() if name in FLASH})
+    paged |= interpret(folder, "triton_paged.paged_latent_prefix_attention_triton",
+                       {name: args for name, (args, _, _) in LATENT.items()})
+    unpaged |= interpret(folder, "latent_prefix_attention_triton", {name: args for name, (_, args, _) in LATENT.items()})
     return paged, unpaged
 
 
@@ -109,6 +151,29 @@ def test_paged_kernel_matches_the_unpaged_kernel_and_float64(kernels, name):
         ref_out, ref_lse = prefix_attention(paged_args["q"], k, v, kv_len, SCALE, start)
         torch.testing.assert_close(out, ref_out, **TOLERANCE[paged_args["q"].dtype]["out"])
         torch.testing.assert_close(lse, ref_lse, **TOLERANCE[paged_args["q"].dtype]["lse"])
+
+
+@pytest.mark.parametrize("name", list(LATENT))
+def test_paged_latent_kernel_matches_the_unpaged_kernel_and_the_reference(kernels, name):
+    from dcp_compile.ops import latent_prefix_attention
+
+    paged_args, unpaged_args, (latent, rope) = LATENT[name]
+    (out, lse), (static_out, static_lse) = kernels[0][name], kernels[1][name]
+    if paged_args["q"].dtype == torch.float32:
+        assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
+    ref_out, ref_lse = latent_prefix_attention(paged_args["q"], latent, rope, paged_args["kv_len"], SCALE)
+    tol = TOLERANCE[paged_args["q"].dtype]
+    seen = paged_args["kv_len"] > 0
+    torch.testing.assert_close(out[seen], ref_out[seen], **tol["out"])
+    torch.testing.assert_close(lse[seen], ref_lse[seen], **tol["lse"])
+    assert (lse[~seen] == float("-inf")).all() and (out[~seen] == 0).all()
+    # On CPU the op gathers the pages and runs the reference: exactly the unpaged op's answer.
+    from dcp_compile.ops import paged_latent_prefix_attention
+
+    cpu = paged_latent_prefix_attention(*(paged_args[n] for n in ("q", "latent_pool", "rope_pool", "block_table",
+                                                                  "kv_len")), SCALE)
+    unpaged = latent_prefix_attention(*(unpaged_args[n] for n in ("q", "latent", "rope", "kv_len")), SCALE)
+    assert all(torch.equal(a, b) for a, b in zip(cpu, unpaged))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -209,3 +274,22 @@ def test_inductor_emits_the_paged_kernels_on_gpu():
     static_out, static_lse = prefix_attention(*(unpaged_args[n].cuda() for n in ("q", "k_cache", "v_cache",
                                                                                   "kv_len")), SCALE)
     assert torch.equal(out / 2, static_out) and torch.equal(lse, static_lse)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(LATENT))
+def test_paged_latent_kernel_on_gpu(name):
+    from dcp_compile.ops import latent_prefix_attention, latent_prefix_attention_triton
+    from dcp_compile.ops import paged_latent_prefix_attention_triton
+
+    paged_args, unpaged_args, (latent, rope) = LATENT[name]
+    cuda = lambda args: {n: a.cuda() if isinstance(a, torch.Tensor) else a for n, a in args.items()}  # noqa: E731
+    out, lse = (x.cpu() for x in paged_latent_prefix_attention_triton(**cuda(paged_args)))
+    if "block_s" in unpaged_args and paged_args["q"].dtype == torch.float32:  # both on the split-KV kernel
+        static = [x.cpu() for x in latent_prefix_attention_triton(**cuda(unpaged_args))]
+        assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+    ref_out, ref_lse = latent_prefix_attention(paged_args["q"], latent, rope, paged_args["kv_len"], SCALE)
+    seen = paged_args["kv_len"] > 0
+    torch.testing.assert_close(out[seen], ref_out[seen], **TOLERANCE[paged_args["q"].dtype]["out"])
+    torch.testing.assert_close(lse[seen], ref_lse[seen], **TOLERANCE[paged_args["q"].dtype]["lse"])
