@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--pages", type=int, nargs="*", default=[16, 64, 128])
     parser.add_argument("--block-s", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
+    parser.add_argument("--prefetch", type=int, nargs="*", default=[0, 1],
+                        help="the paged arm reading page ids a block ahead (1) or in the block's own iteration (0)")
     args = parser.parse_args()
     device = torch.device("cuda")
     timer, results = Timer(device, 20, 3), []
@@ -55,12 +57,15 @@ def main() -> int:
             for block_s in args.block_s:
                 for stages in args.stages:
                     tuning = dict(block_s=block_s, num_stages=stages)
-                    unpaged = [lambda k=k, v=v, t=tuning: split_kv_attention(q, k, v, kv_len, 0.088, S, None, t)
-                               for k, v in caches]
-                    paged = [lambda k=k, v=v, t=tuning: split_kv_attention(q, k, v, kv_len, 0.088, S, None, t,
-                                                                             table=table, page=page)
-                             for k, v in pools]
-                    for name, calls in ((f"unpaged/{block_s}/{stages}", unpaged), (f"paged/{block_s}/{stages}", paged)):
+                    arms = {f"unpaged/{block_s}/{stages}": [
+                        lambda k=k, v=v, t=tuning: split_kv_attention(q, k, v, kv_len, 0.088, S, None, t)
+                        for k, v in caches]}
+                    for ahead in args.prefetch:
+                        arms[f"paged/{block_s}/{stages}/{'ahead' if ahead else 'inline'}"] = [
+                            lambda k=k, v=v, t=dict(tuning, prefetch=bool(ahead)): split_kv_attention(
+                                q, k, v, kv_len, 0.088, S, None, t, table=table, page=page)
+                            for k, v in pools]
+                    for name, calls in arms.items():
                         run, _ = timer.prepare(calls)
                         prepared[name] = (run, len(calls), "graph")
             check = split_kv_attention(q, *pools[0], kv_len, 0.088, S, None, None, table=table, page=page)

@@ -192,7 +192,7 @@ def _flash_fwd_kernel(
     s_lb, s_lh, s_lt,
     WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_LOWER: tl.constexpr,
-    HAS_ANCESTORS: tl.constexpr, TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
+    HAS_ANCESTORS: tl.constexpr, TABLE, s_tb, last_page, PAGE: tl.constexpr,
 ):
     # D is the tile's head width, a power of two; q and the keys are DK wide, the values
     # and the output DV (transformers' expanded MLA: 192 and 128), read and written
@@ -355,7 +355,10 @@ def _flash(q, k, v, kv_len, positions, scale, block_m, block_n, lower=None, ance
     # specializes on them here.
     B, Hq, T, DK = (int(n) for n in q.shape)
     Hkv, S, DV = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
-    paging = {} if table is None else dict(TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=S)
+    # Unpaged launches pass the table's arguments too (never read): Inductor's wrapper of
+    # the kernel takes every argument, defaults included.
+    paging = dict(TABLE=positions if kv_len is None else kv_len, s_tb=0, last_page=0, PAGE=0) if table is None else dict(
+        TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=S)
     S = S if table is None else int(table.shape[1]) * S
     D = kernel_width(DK, DV)
     out = torch.empty((B, Hq, T, DV), device=q.device, dtype=torch.float32)

@@ -53,7 +53,7 @@ def _latent_split_kernel(
     s_ob, s_oh, s_ot, s_os,
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr, SCAN: tl.constexpr, TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
+    CAUSAL: tl.constexpr, SCAN: tl.constexpr, TABLE, s_tb, last_page, PAGE: tl.constexpr,
 ):
     """MLA's prefix: every query head against one latent head.  Scores add ``q[:C] .
     latent`` and ``q[C:] . rope_key``; the values are the latent tile already loaded for
@@ -223,8 +223,11 @@ def _latent_launch(q, latent, rope, kv_len, positions, scale, num_splits, overri
         return torch.ops.dcp.latent_prefix_attention_gluon(q, latent, rope, kv_len, scale, num_splits)
     B, H, T, _ = (int(n) for n in q.shape)
     S, C, R = int(latent.shape[2]), int(latent.shape[3]), int(rope.shape[3])
-    paging = {} if table is None else dict(TABLE=table, s_tb=table.stride(0), last_page=int(latent.shape[0]) - 1,
-                                           PAGE=S)
+    # Unpaged launches pass the table's arguments too (never read): Inductor's wrapper of
+    # the kernel takes every argument, defaults included.
+    index = positions if positions is not None else kv_len
+    paging = dict(TABLE=index, s_tb=0, last_page=0, PAGE=0) if table is None else dict(
+        TABLE=table, s_tb=table.stride(0), last_page=int(latent.shape[0]) - 1, PAGE=S)
     S = S if table is None else int(table.shape[1]) * S
     tiles = latent_tiles(H * T, C + R, q.element_size())
     for name, value in overrides.items():

@@ -60,12 +60,9 @@ Making ``prefix_attention`` itself the triton_op would also inline the torch ref
 into every CPU graph, changing what Inductor compiles on CPU; a ``register_kernel``
 alone would leave the Triton kernels hidden behind an opaque call.
 
-MLA's latent sites have kernels of their own, in ``triton_latent.py`` (which shares this
-module's softmax steps, slicing and merge).
-
-``prefix_attention_triton`` can be called directly, also on CPU tensors when
-``TRITON_INTERPRET=1`` was set before ``triton`` was imported: that is how the CI tests
-run the kernel without a GPU.
+MLA's latent sites have kernels of their own (``triton_latent.py``); a paged cache is read
+by this kernel through its block table (``triton_paged.py``).  Under ``TRITON_INTERPRET=1``
+(set before ``triton`` is imported) the kernels run on CPU tensors: so do the CI tests.
 """
 
 from __future__ import annotations
@@ -203,14 +200,22 @@ def _load_block(ptrs, live, cols, MASK_SLOTS: tl.constexpr, MASK_COLS: tl.conste
 def _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
                   s_ks, s_kd, s_vs, s_vd, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr,
-                  table_row=None, s_kp=0, s_vp=0, last_page=0, PAGE: tl.constexpr = 0):
+                  table_row, s_kp, s_vp, last_page, PAGE: tl.constexpr):
     """One block of ``BLOCK_S`` slots from ``start``: ``(acc, m, l)`` updated.  ``MASKED``
-    for a block that may pass ``hi``.  The scale enters the online softmax as one
-    multiply-add per score (``max(s) * c == max(s * c)`` for ``c > 0``), as in FlashAttention-2.
-    ``PAGE`` > 0: K and V are pools of pages (``slot_rows``)."""
+    for a block that may pass ``hi``.  ``PAGE`` > 0: K and V are pools of pages (``slot_rows``)."""
     offs_s = start + tl.arange(0, BLOCK_S)
     live = offs_s < hi
     k_rows, v_rows = slot_rows(table_row, offs_s, live, s_kp, s_ks, s_vp, s_vs, last_page, PAGE, MASKED)
+    return _block_at(q, k_base, v_base, k_rows, v_rows, live, acc, m, l, qk_scale, offs_d, k_cols, v_cols, s_kd,
+                     s_vd, D, DOT_PRECISION, DK, DV, MASKED)
+
+
+@triton.jit
+def _block_at(q, k_base, v_base, k_rows, v_rows, live, acc, m, l, qk_scale, offs_d, k_cols, v_cols, s_kd, s_vd,
+              D: tl.constexpr, DOT_PRECISION: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr):
+    """The block at slot offsets ``k_rows`` / ``v_rows``: ``(acc, m, l)`` updated.  The scale
+    enters the online softmax as one multiply-add per score (``max(s) * c == max(s * c)``
+    for ``c > 0``), as in FlashAttention-2."""
     k = _load_block(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, live, k_cols, MASKED, DK != D)
     v = _load_block(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, live, v_cols, MASKED, DV != D)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
@@ -235,7 +240,7 @@ def _prefix_split_kernel(
     s_lb, s_lh, s_lt, s_ls,
     ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, HAS_START: tl.constexpr,
-    TABLE=None, s_tb=0, last_page=0, PAGE: tl.constexpr = 0,
+    TABLE, s_tb, last_page, PAGE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # D is the tile's head width, a power of two; the keys are DK wide and the values DV
     # (transformers' expanded MLA: 192 and 128), read unpadded under a mask on the head
@@ -285,10 +290,22 @@ def _prefix_split_kernel(
     # Whole blocks run without masks (a wide verify step is bound by this loop's
     # arithmetic); only a slice's last, partial block pays for them.
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_S * BLOCK_S
-    for start in range(lo, full_hi, BLOCK_S):
-        acc, m, l = _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
-                                  s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, False,
-                                  table_row, s_kb, s_vb, last_page, PAGE)
+    if PAGE > 0 and PREFETCH:  # page ids read a block ahead: no K or V load waits on a load of its iteration
+        offs = tl.arange(0, BLOCK_S)
+        k_rows, v_rows = slot_rows(table_row, lo + offs, lo + offs < full_hi, s_kb, s_ks, s_vb, s_vs, last_page,
+                                   PAGE, True)
+        for start in range(lo, full_hi, BLOCK_S):
+            ahead = start + BLOCK_S + offs
+            k_next, v_next = slot_rows(table_row, ahead, ahead < full_hi, s_kb, s_ks, s_vb, s_vs, last_page, PAGE,
+                                       True)
+            acc, m, l = _block_at(q, k_base, v_base, k_rows, v_rows, offs >= 0, acc, m, l, qk_scale, offs_d, k_cols,
+                                  v_cols, s_kd, s_vd, D, DOT_PRECISION, DK, DV, False)
+            k_rows, v_rows = k_next, v_next
+    else:
+        for start in range(lo, full_hi, BLOCK_S):
+            acc, m, l = _prefix_block(q, k_base, v_base, start, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
+                                      s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, False,
+                                      table_row, s_kb, s_vb, last_page, PAGE)
     if full_hi < hi:
         acc, m, l = _prefix_block(q, k_base, v_base, full_hi, hi, acc, m, l, qk_scale, offs_d, k_cols, v_cols,
                                   s_ks, s_kd, s_vs, s_vd, D, BLOCK_S, DOT_PRECISION, DK, DV, True,
@@ -421,7 +438,10 @@ def split_kv_attention(q, k, v, kv_len, scale, S, kv_start=None, tuning=None, ta
     row_blocks = triton.cdiv(G * T, rows)
     num_splits = _num_splits(q, Hkv, row_blocks, S, block_s, tuning.get("num_splits"))
     out, lse, o_part, lse_part, o_strides, l_strides = _split_outputs(q, D, num_splits)
-    paging = {} if not page else dict(TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=page)
+    # Unpaged launches pass the table's arguments too (never read): Inductor's wrapper of the kernel takes them all.
+    paging = dict(TABLE=kv_len, s_tb=0, last_page=0, PAGE=0, PREFETCH=False) if not page else dict(
+        TABLE=table, s_tb=table.stride(0), last_page=int(k.shape[0]) - 1, PAGE=page,
+        PREFETCH=tuning.get("prefetch", True))
     wrap_triton(_prefix_split_kernel)[(num_splits, Hkv * row_blocks, B)](
         q, k, v, kv_len, kv_len if kv_start is None else kv_start, o_part, lse_part,
         scale * 1.4426950408889634,
