@@ -24,6 +24,22 @@ WORKER = Path(__file__).with_name("triton_interpret.py")
 SCALE = 0.125
 
 
+def scatter_into_pages(caches, page, gen, spare_pages=3):
+    """Static caches ``[B, H, n * page, D]`` (NaN where unused) cut into pages and scattered
+    into pools with ``spare_pages`` more pages of NaN, in a shuffled order: ``(pools, table)``."""
+    B, _, S, _ = caches[0].shape
+    n = S // page
+    pages = B * n + spare_pages
+    table = torch.randperm(pages, generator=gen)[: B * n].view(B, n).to(torch.int32)
+    pools = []
+    for cache in caches:
+        H, D = cache.shape[1], cache.shape[3]
+        pool = torch.full((pages, H, page, D), float("nan"), dtype=cache.dtype)
+        pool[table.reshape(-1).long()] = cache.view(B, H, n, page, D).transpose(1, 2).reshape(-1, H, page, D)
+        pools.append(pool)
+    return pools, table
+
+
 def paged_case(seed, *, page, kv_len, capacity, t=1, g=4, hkv=2, d=64, dtype=torch.float32, spare_pages=3,
                kv_start=None, kernel=None, **tuning):
     """``(paged args, unpaged args, clean static K/V)``: the static cache ``[B, Hkv,
@@ -37,13 +53,7 @@ def paged_case(seed, *, page, kv_len, capacity, t=1, g=4, hkv=2, d=64, dtype=tor
     lengths = torch.tensor(kv_len)
     unused = (torch.arange(n * page)[None, :] >= lengths[:, None])[:, None, :, None]
     k_nan, v_nan = k.masked_fill(unused, float("nan")), v.masked_fill(unused, float("nan"))
-    pages = B * n + spare_pages
-    order = torch.randperm(pages, generator=gen)
-    table = order[: B * n].view(B, n).to(torch.int32)
-    k_pool = torch.full((pages, hkv, page, d), float("nan"), dtype=dtype)
-    v_pool = torch.full((pages, hkv, page, d), float("nan"), dtype=dtype)
-    k_pool[table.reshape(-1).long()] = k_nan.view(B, hkv, n, page, d).transpose(1, 2).reshape(-1, hkv, page, d)
-    v_pool[table.reshape(-1).long()] = v_nan.view(B, hkv, n, page, d).transpose(1, 2).reshape(-1, hkv, page, d)
+    (k_pool, v_pool), table = scatter_into_pages([k_nan, v_nan], page, gen, spare_pages)
     q = torch.randn(B, hkv * g, t, d, generator=gen).to(dtype)
     start = None if kv_start is None else torch.tensor(kv_start)
     paged = dict(q=q, k_pool=k_pool, v_pool=v_pool, block_table=table, kv_len=lengths, scale=SCALE, kv_start=start,
@@ -70,22 +80,6 @@ CASES = {
                                     dtype=torch.bfloat16),
 }
 FLASH = [name for name in CASES if name.startswith("flash")]
-
-
-def scatter_into_pages(caches, page, gen, spare_pages=3):
-    """Static caches ``[B, H, n * page, D]`` (NaN where unused) cut into pages and scattered
-    into pools with ``spare_pages`` more pages of NaN, in a shuffled order: ``(pools, table)``."""
-    B, _, S, _ = caches[0].shape
-    n = S // page
-    pages = B * n + spare_pages
-    table = torch.randperm(pages, generator=gen)[: B * n].view(B, n).to(torch.int32)
-    pools = []
-    for cache in caches:
-        H, D = cache.shape[1], cache.shape[3]
-        pool = torch.full((pages, H, page, D), float("nan"), dtype=cache.dtype)
-        pool[table.reshape(-1).long()] = cache.view(B, H, n, page, D).transpose(1, 2).reshape(-1, H, page, D)
-        pools.append(pool)
-    return pools, table
 
 
 def latent_case(seed, *, page, kv_len, capacity, t=1, heads=4, c=32, r=16, dtype=torch.float32, **tuning):
@@ -137,13 +131,19 @@ def kernels(tmp_path_factory):
     return paged, unpaged
 
 
+def bitwise_in_fp32(kernels, name, dtype):
+    """Case ``name``'s paged ``(out, lse)``, checked equal to the unpaged kernel's in fp32: the
+    same blocks, slices and order of operations, only the addresses differ."""
+    (out, lse), (static_out, static_lse) = kernels[0][name], kernels[1][name]
+    if dtype == torch.float32:
+        assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
+    return out, lse
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_kernel_matches_the_unpaged_kernel_and_float64(kernels, name):
     paged_args, unpaged_args, (k, v) = CASES[name]
-    (out, lse), (static_out, static_lse) = kernels[0][name], kernels[1][name]
-    if paged_args["q"].dtype == torch.float32:
-        # The same blocks, slices and order of operations: only the addresses differ.
-        assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
+    out, lse = bitwise_in_fp32(kernels, name, paged_args["q"].dtype)
     kv_len, start = paged_args["kv_len"], paged_args["kv_start"]
     if start is None:
         assert_matches_float64(out, lse, paged_args["q"], k, v, kv_len, SCALE)
@@ -158,9 +158,7 @@ def test_paged_latent_kernel_matches_the_unpaged_kernel_and_the_reference(kernel
     from dcp_compile.ops import latent_prefix_attention
 
     paged_args, unpaged_args, (latent, rope) = LATENT[name]
-    (out, lse), (static_out, static_lse) = kernels[0][name], kernels[1][name]
-    if paged_args["q"].dtype == torch.float32:
-        assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
+    out, lse = bitwise_in_fp32(kernels, name, paged_args["q"].dtype)
     ref_out, ref_lse = latent_prefix_attention(paged_args["q"], latent, rope, paged_args["kv_len"], SCALE)
     tol = TOLERANCE[paged_args["q"].dtype]
     seen = paged_args["kv_len"] > 0
