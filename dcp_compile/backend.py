@@ -21,6 +21,7 @@ CPU tests of the passes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import time
@@ -38,10 +39,11 @@ from dcp_compile.ops.tree_mask import TreeMarks, strip_tree_positions
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
+from dcp_compile.passes.page_caches import extra_inputs, page_caches
 from dcp_compile.passes.pipeline import PassTiming
 from dcp_compile.passes.shard_attention import COMMS, TreeSlots
 from dcp_compile.passes.fx_utils import GraphPatternError, shape_of, where
-from dcp_compile.records import ROLES, CacheRecord, is_checked_table, record_for
+from dcp_compile.records import ROLES, CacheRecord, PagedKV, is_checked_table, paged_for, record_for
 from dcp_compile.group import DCPGroup
 
 LOWERINGS = ("inductor", "aot_eager")
@@ -152,6 +154,8 @@ class Backend:
                 f"one size to keep that to one graph)"
             )
         started = time.perf_counter()
+        if any(isinstance(t, torch.Tensor) and paged_for(t) is not None for t in example_inputs):
+            gm = _own_copy(gm)  # paging adds graph inputs, which Dynamo's own graph must not see
         guards = strip_backend_guards(gm)
         marks = strip_tree_positions(gm)
         plan = find(gm)
@@ -176,7 +180,11 @@ class Backend:
         if self.role == "target" and self.group.size > 1:
             self._check_sharded_inputs(gm, plan, example_inputs)
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
-        passes = self._passes(plan, records, marks)
+        paged = _paged_caches(plan, example_inputs)
+        passes = self._passes(plan, records, marks, paged_cascade=bool(paged))
+        if paged:
+            passes.append(functools.partial(page_caches, paged=paged))
+            example_inputs = [*example_inputs, *extra_inputs(paged)]
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         analysis = time.perf_counter() - started
@@ -186,6 +194,8 @@ class Backend:
         started = time.perf_counter()
         compiled = self._lower(gm, example_inputs)
         record.lowering_seconds = time.perf_counter() - started
+        if paged:
+            compiled = _with_inputs(compiled, extra_inputs(paged))
         return self._guard_positions(compiled, plan, records)
 
     def compile_seconds(self) -> dict[str, float]:
@@ -197,9 +207,11 @@ class Backend:
                     passes=sum(t.seconds for g in self.compiled for t in g.timings),
                     lowering=sum(g.lowering_seconds for g in self.compiled), graphs=len(self.compiled))
 
-    def _passes(self, plan: Plan, records: list[CacheRecord], marks: TreeMarks | None) -> list:
+    def _passes(self, plan: Plan, records: list[CacheRecord], marks: TreeMarks | None, paged_cascade: bool = False
+                ) -> list:
         """The passes for this graph's role; ``marks``: its tree mask (and, for a tree
-        draft's depth, the draft cache's length), if any."""
+        draft's depth, the draft cache's length), if any.  ``paged_cascade``: the caches
+        are paged, so even a group of one rewrites its attention (to read the pages)."""
         ancestors = None if marks is None else marks.ancestors
         if self.role == "draft":
             proven = plan.sites and records and all(site.mask.proven for site in plan.sites)
@@ -224,7 +236,7 @@ class Backend:
             group_name = self.group.group_name if self.group.size > 1 else None
             return target_passes(records[0].layout, group_name, self._staging_first_slot(plan, records), self.comm,
                                  ancestors, heads_split=self.group.heads_split)
-        if self.cascade:
+        if self.cascade or paged_cascade:
             return target_passes(records[0].layout, None)
         return []
 
@@ -316,6 +328,37 @@ class Backend:
             return compiled(*args)
 
         return run
+
+
+def _paged_caches(plan: Plan, example_inputs: Sequence) -> dict[int, PagedKV]:
+    """The graph input index and pages of each cache ``prepare`` paged; all of them or none."""
+    paged = {c.input_index: paged_for(example_inputs[c.input_index]) for c in plan.caches}
+    if any(p is None for p in paged.values()) and any(p is not None for p in paged.values()):
+        raise ValueError("this graph writes paged and unpaged KV caches; prepare each model with one page_size")
+    return {i: p for i, p in paged.items() if p is not None}
+
+
+def _own_copy(gm: GraphModule) -> GraphModule:
+    """A copy of Dynamo's graph for the passes to change at will, with what AOT autograd
+    reads of Dynamo's (each input's source, the compile id)."""
+    graph = copy.deepcopy(gm.graph)
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
+        new._dynamo_source = getattr(old, "_dynamo_source", None)
+    copied = GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    return copied
+
+
+def _with_inputs(compiled, extra: list[torch.Tensor]):
+    """``compiled`` called with the pages after the graph's own inputs: the same tensors
+    every call, so a CUDA graph capture sees fixed addresses."""
+
+    def run(*args):
+        return compiled(*args, *extra)
+
+    return run
 
 
 def _is_symbolic(value) -> bool:

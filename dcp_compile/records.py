@@ -38,12 +38,14 @@ class CacheRecord:
     tree_slots: int = 0
     """Slots after a whole draft cache's ``max_seq_len``, where a tree draft's depths keep
     their nodes for the later depths to attend to (drafts only)."""
+    page_size: int = 0
+    """Slots a page holds, for a cache ``prepare`` paged (``paged_for`` gives its pages); 0: not paged."""
 
     @property
     def sharded(self) -> bool:
         """Laid out as a shard (owner slots, the trash slot, staging): every target of a
-        group of more than one, and a tree target (``prepare(tree=True)``) of a group of one."""
-        return self.layout.size > 1 or self.verify_tokens > 0
+        group of more than one, and a tree or paged target of a group of one."""
+        return self.layout.size > 1 or self.verify_tokens > 0 or self.page_size > 0
 
 
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -68,3 +70,39 @@ def register_table(tensor: torch.Tensor, name: str) -> None:
 
 def is_checked_table(tensor: torch.Tensor) -> bool:
     return tensor in _tables
+
+
+@dataclass(eq=False)
+class PagedKV:
+    """Where a paged cache's keys or values really live (``prepare(page_size=...)``).
+
+    The model keeps a buffer of its local shape for tracing, but with no memory of its own
+    along the sequence axis; the compiled graphs read and write these instead."""
+
+    pool: torch.Tensor
+    """``[pages + 1, H, P, D]``: the owner slots of every row, page by page; the last page
+    is the null page, where writes of unheld slots land and which nothing reads."""
+    rows: torch.Tensor
+    """``[B, H, 1 + verify_tokens, D]``: each row's trash slot and staging slots (the local
+    slots from ``S_loc`` on)."""
+    table: torch.Tensor
+    """``[B, pages a row]`` int32, shared by the model's caches: row ``b``'s local slot
+    ``s`` is in page ``table[b, s // P]`` at row ``s % P``."""
+    rows_capacity: int
+    """``S_loc``: the owner slots a row may hold; local slot ``S_loc + j`` is ``rows[:, :, j]``."""
+
+    @property
+    def page_size(self) -> int:
+        return int(self.pool.shape[2])
+
+
+_paged: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_paged(tensor: torch.Tensor, paged: PagedKV) -> None:
+    _paged[tensor] = paged
+
+
+def paged_for(tensor: torch.Tensor) -> PagedKV | None:
+    """The pages behind a cache buffer ``prepare`` paged, else ``None``."""
+    return _paged.get(tensor)

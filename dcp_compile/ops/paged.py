@@ -91,3 +91,17 @@ def _paged_latent_fake(q, latent_pool, rope_pool, block_table, kv_len, scale):
     B, H, T, _ = q.shape
     return (q.new_empty((B, H, T, latent_pool.shape[-1]), dtype=torch.float32),
             q.new_empty((B, H, T), dtype=torch.float32))
+
+
+def store_in_pages(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, *,
+                   capacity: int) -> None:
+    """Write ``values [B, H, T, D]`` to local slots ``slots [B, T]`` of each row through
+    ``table``; slots from ``capacity`` on (the trash slot, or past the end), and slots of
+    pages the row does not hold, go to the null page (the pool's last), which nothing reads."""
+    page_size, null = pool.shape[2], pool.shape[0] - 1
+    slots = slots.long()
+    entry = (slots // page_size).clamp(0, table.shape[1] - 1)
+    page = table.long().gather(1, entry)
+    owned = (slots >= 0) & (slots < capacity) & (page >= 0) & (page < null)
+    page = torch.where(owned, page, null)
+    pool[page, :, slots.remainder(page_size)] = values.transpose(1, 2).to(pool.dtype)

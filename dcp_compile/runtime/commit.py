@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from dcp_compile.ops.cascade import cache_BHSD, local_slots
-from dcp_compile.records import CacheRecord, record_for
+from dcp_compile.ops.paged import store_in_pages
+from dcp_compile.records import CacheRecord, paged_for, record_for
 
 
 class KVCommit(nn.Module):
@@ -34,6 +35,8 @@ class KVCommit(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self._records: list[CacheRecord] = []
+        self._entries: list[tuple[int, bool]] = []
+        """Per record: its buffers' index, and whether they are pages."""
         for index, (name, buffer) in enumerate(model.named_buffers()):
             record = record_for(buffer)
             if record is not None and record.role == "target" and record.sharded:
@@ -42,8 +45,16 @@ class KVCommit(nn.Module):
                         f"KV cache {name} has no staging slots; prepare the target with verify_tokens=k+1 "
                         f"to compile verify graphs and commit their tokens"
                     )
-                self.register_buffer(f"cache_{index}", buffer, persistent=False)
+                paged = paged_for(buffer)
+                if paged is None:
+                    self.register_buffer(f"cache_{index}", buffer, persistent=False)
+                else:  # the pages themselves: a compiled commit takes them as inputs
+                    self.register_buffer(f"pool_{index}", paged.pool, persistent=False)
+                    self.register_buffer(f"rows_{index}", paged.rows, persistent=False)
+                    self.register_buffer("table", paged.table, persistent=False)
                 self._records.append(record)
+                self._entries.append((index, paged is not None))
+                self._batch = record.global_shape[0]
 
     @property
     def needed(self) -> bool:
@@ -53,8 +64,8 @@ class KVCommit(nn.Module):
     def forward(self, start: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor | None = None) -> None:
         if path is not None and self._records:  # one batch and one staging width for every cache
             record = self._records[0]
-            _check_path(path, cache_BHSD(next(self.buffers()), seq_dim=record.seq_dim).shape[0], record.verify_tokens)
-        for record, cache in zip(self._records, self.buffers()):
+            _check_path(path, self._batch, record.verify_tokens)
+        for record, (index, paged) in zip(self._records, self._entries):
             layout = record.layout
             width = record.verify_tokens if path is None else path.shape[1]
             steps = torch.arange(width, device=start.device)
@@ -63,7 +74,11 @@ class KVCommit(nn.Module):
                 positions, size=layout.size, rank=layout.rank, interleave=layout.interleave, max_seq_len=layout.max_seq_len
             )
             slots = torch.where(steps < accepted[:, None], slots, layout.trash_slot)
-            view = cache_BHSD(cache, seq_dim=record.seq_dim)
+            if paged:
+                pool, rows = getattr(self, f"pool_{index}"), getattr(self, f"rows_{index}")
+                _commit_to_pages(pool, rows, self.table, slots, path, record)
+                continue
+            view = cache_BHSD(getattr(self, f"cache_{index}"), seq_dim=record.seq_dim)
             first = layout.local_cache_len
             rows = torch.arange(view.shape[0], device=start.device)[:, None]
             if path is None:
@@ -71,6 +86,16 @@ class KVCommit(nn.Module):
             else:
                 staged = view[rows, :, first + path]  # advanced indexing copies: [B, T, H, D]
             view[rows, :, slots] = staged
+
+
+def _commit_to_pages(pool, rows, table, slots: torch.Tensor, path: torch.Tensor | None, record: CacheRecord) -> None:
+    """The paged form: staging is ``rows[:, :, 1:]`` (after the trash slot), owners are pages."""
+    if path is None:
+        staged = rows[:, :, 1 : 1 + record.verify_tokens]  # [B, H, T, D]; store_in_pages copies
+    else:
+        batch = torch.arange(rows.shape[0], device=path.device)[:, None]
+        staged = rows[batch, :, 1 + path].transpose(1, 2)
+    store_in_pages(pool, table, slots, staged, capacity=record.layout.local_capacity)
 
 
 def _check_path(path: torch.Tensor, batch: int, verify_tokens: int) -> None:

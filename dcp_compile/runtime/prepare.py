@@ -35,8 +35,9 @@ from dcp_compile.memory import CapacityError, GiB
 from dcp_compile.ops.guard import guard
 from dcp_compile.passes.find import Plan, find
 from dcp_compile.passes.fx_utils import GraphPatternError
-from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_table
+from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_paged, register_table
 from dcp_compile.runtime.discovery import default_example_inputs, discover, replace_tensor
+from dcp_compile.runtime.paging import Paging, paged_buffers, paged_bytes, plan_paging
 from dcp_compile.runtime.peers import check_peers_hold_the_same_kv
 
 
@@ -50,6 +51,8 @@ class Prepared:
     """Buffers whose last axis was sharded to the local cache length."""
     kv_bytes: int
     """Bytes of KV cache this rank holds for the model."""
+    paging: Paging | None = None
+    """The pool's shape and the block table the caches share (``prepare(page_size=...)``)."""
 
 
 def _fingerprint(model: nn.Module, role: str, *prepare_args: int) -> int:
@@ -221,12 +224,13 @@ def _check_forward_with_shards(model: nn.Module, forward_args: tuple, placed: li
 
 
 def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_batch: int, verify_tokens: int, home,
-                  rank: int, tree_slots: int = 0) -> tuple[list, int]:
+                  rank: int, tree_slots: int = 0, paging: Paging | None = None) -> tuple[list, int]:
     """Swap each cache for this rank's buffer (its shard plus ``verify_tokens`` staging
     slots, a whole buffer plus ``tree_slots``, or a whole buffer where a meta one stood)
     and record it; returns ``(module, attr, record)`` per cache and the bytes this rank
     now holds."""
-    max_seq_len, sharded = layout.max_seq_len, layout.size > 1 or verify_tokens > 0  # a tree target of one rank too
+    max_seq_len = layout.max_seq_len
+    sharded = layout.size > 1 or verify_tokens > 0 or paging is not None  # a tree or paged target of one rank too
     placed, pending, kv_bytes = [], [], 0
     for cache in plan.caches:
         tensor = inputs[cache.input_index]
@@ -252,8 +256,11 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
             local_shape[cache.seq_dim] += tree_slots
             pending.append((module, attr, local_shape, tensor.dtype))
         placed.append((module, attr, CacheRecord(
-            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens, tree_slots
+            qualname, role, cache.seq_dim, layout, tuple(tensor.shape), verify_tokens, tree_slots,
+            paging.page_size if paging else 0,
         )))
+    if paging is not None:
+        return _place_paged(placed, pending, paging, home, layout, rank)
     _check_free_memory(home, pending, rank)
     for module, attr, shape, dtype in pending:
         replace_tensor(module, attr, torch.zeros(shape, dtype=dtype, device=home))
@@ -262,6 +269,19 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
         register(tensor, record)
         kv_bytes += tensor.numel() * tensor.element_size()
     return placed, kv_bytes
+
+
+def _place_paged(placed: list, pending: list, paging: Paging, home, layout: KVLayout, rank: int) -> tuple[list, int]:
+    """Each cache as a stand-in of its local shape, its slots in pages (``runtime.paging``)."""
+    made = [paged_buffers(shape, record.seq_dim, dtype, home, paging, layout.local_capacity, record.name)
+            for (module, attr, shape, dtype), (_, _, record) in zip(pending, placed)]
+    sizes = [(None, None, (paged_bytes(paged),), torch.uint8) for _, paged in made]
+    _check_free_memory(home, sizes, rank)
+    for (module, attr, record), (stand_in, paged) in zip(placed, made):
+        replace_tensor(module, attr, stand_in)
+        register(stand_in, record)
+        register_paged(stand_in, paged)
+    return placed, sum(paged_bytes(paged) for _, paged in made)
 
 
 def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str]:
@@ -354,6 +374,8 @@ def prepare(
     verify_tokens: int = 0,
     tree: bool = False,
     tree_slots: int = 0,
+    page_size: int = 0,
+    kv_tokens: int = 0,
 ) -> Prepared:
     """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
 
@@ -376,10 +398,17 @@ def prepare(
         tree_slots: a draft's cache gets that many slots past ``max_seq_len``, where
             the depths of a draft tree keep their nodes' keys and values for the later
             depths to attend to (``TreeCall(draft, staged=True)``): ``(k - 1) * topk``.
+        page_size: a target's caches live in pages of this many slots a rank, in a pool
+            of ``kv_tokens`` tokens for the whole group (``runtime.paging``); the block
+            table is ``Prepared.paging.table``. 0: each row keeps its own slots.
+        kv_tokens: the pool's capacity in tokens over the group (with ``page_size``).
     """
     sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree, tree_slots)
+    if page_size and role != "target":
+        raise ValueError(f"page_size pages a target's caches; the {role}'s cache stays whole, in rows")
+    sharded = sharded or bool(page_size)
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree,
-                                           tree_slots), role)
+                                           tree_slots, page_size, kv_tokens), role)
 
     home = _home_device(model)
     defaulted = example_inputs is None
@@ -393,11 +422,12 @@ def prepare(
             f"{type(model).__name__} attends through MLA's latent cache, whose window takes no tree mask yet: "
             f"draft a chain (topk=1, draft_tokens=k) for this target")
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
+    paging = plan_paging(page_size, kv_tokens, layout, max_batch, home) if page_size else None
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
-                                     home, group.rank, tree_slots)
+                                     home, group.rank, tree_slots, paging)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     if sharded:
         _check_forward_with_shards(model, forward_args, placed, max_seq_len)
     model.register_forward_pre_hook(_call_checks(type(model).__name__, max_batch, sharded), with_kwargs=True)
     _refuse_replaced_caches(model, placed)
-    return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes)
+    return Prepared(role, tuple(record for _, _, record in placed), tuple(mask_names), kv_bytes, paging)

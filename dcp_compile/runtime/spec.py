@@ -83,11 +83,13 @@ class SpecGraphs:
     changes the models for good."""
 
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
-                 comm: str, cuda_graphs: bool, tree: TreeShape | None = None, kernels: str = "inline"):
+                 comm: str, cuda_graphs: bool, tree: TreeShape | None = None, kernels: str = "inline",
+                 page_size: int = 0, kv_tokens: int = 0):
         device = group.device
         verify_tokens = k + 1 if tree is None else tree.verify_tokens
-        prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, verify_tokens=verify_tokens,
-                tree=tree is not None)
+        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
+                              verify_tokens=verify_tokens, tree=tree is not None, page_size=page_size,
+                              kv_tokens=kv_tokens).paging
         if draft is not None:
             draft_example = (
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
@@ -393,6 +395,8 @@ class SpecDecoder:
         step_graph: bool | None = None,
         check_ranks: bool = False,
         chunk_size: int | None = None,
+        page_size: int = 0,
+        kv_tokens: int = 0,
     ):
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
@@ -412,8 +416,10 @@ class SpecDecoder:
         self.noise = Noise(self.device, seed, rows=max_batch)
         """The sampler's generators; each ``SpecEngine`` starts them over from ``seed`` (one at a time)."""
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
-                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels)
-        self.graphs = graphs
+                            lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels,
+                            page_size=page_size, kv_tokens=kv_tokens)
+        self.graphs, self.paging = graphs, graphs.paging
+        """``paging``: the target's pool and block table (``page_size``), else ``None``."""
         self.target_backend, self.verify_backend, self.draft_backend = (
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
         self.graph_runners = graphs.graph_runners

@@ -1,0 +1,74 @@
+"""``prepare(page_size=P, kv_tokens=N)``: a target's caches in pages of a pool.
+
+The model keeps a buffer of its local shape, so that Dynamo traces it as before, but the
+buffer is an expanded view with no memory along the sequence axis.  What it stands for
+lives in a ``records.PagedKV``: the owner slots in a pool of pages ``[pages + 1, H, P,
+D]`` (the last page the null page), the trash and staging slots in a small per-row
+buffer, and one block table for all of the model's caches.  The backend's
+``page_caches`` pass points the graphs at those.
+
+``N`` is the group's capacity in tokens, so each rank's pool holds ``N / D`` of them; a
+logical page spans ``P x D`` token positions and the block table is the same on every
+rank (``runtime.block_tables``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile.layout import KVLayout
+from dcp_compile.records import PagedKV
+from dcp_compile.runtime.pool import PoolShape
+
+
+@dataclass(frozen=True)
+class Paging:
+    """One model's pool: its shape and the block table its caches share."""
+
+    shape: PoolShape
+    table: torch.Tensor
+    """``[max_batch, pages a row]`` int32, every entry the null page until the caller
+    (``BlockTables``) names a row's pages."""
+
+    @property
+    def page_size(self) -> int:
+        return self.shape.page_size
+
+    @property
+    def null_page(self) -> int:
+        return self.shape.pages
+
+
+def plan_paging(page_size: int, kv_tokens: int, layout: KVLayout, max_batch: int, device) -> Paging:
+    """Refuse a page size or capacity that cannot work for ``layout``, else the pool's
+    shape and a block table of null pages."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int (slots a page holds on each rank), got {page_size!r}")
+    if page_size % layout.interleave:
+        raise ValueError(
+            f"page_size={page_size} does not divide into the layout's blocks of interleave={layout.interleave} "
+            f"positions: a logical page must hold whole blocks of every rank. Use a multiple of {layout.interleave}")
+    shape = PoolShape(page_size, layout.size, kv_tokens)
+    row_pages = -(-layout.local_capacity // page_size)
+    table = torch.full((max_batch, row_pages), shape.pages, dtype=torch.int32, device=device)
+    return Paging(shape, table)
+
+
+def paged_buffers(shape: list[int], seq_dim: int, dtype: torch.dtype, device, paging: Paging, capacity: int,
+                  name: str) -> tuple[torch.Tensor, PagedKV]:
+    """The stand-in buffer of local ``shape`` and the pages behind it, for one cache."""
+    if len(shape) != 4 or seq_dim != 2:
+        raise ValueError(
+            f"KV cache {name} has shape {tuple(shape)} with its sequence on axis {seq_dim}; page_size pages "
+            f"[batch, heads, seq, head_dim] caches (sequence on axis 2). Prepare this model without page_size")
+    batch, heads, slots, head_dim = shape
+    stand_in = torch.zeros((batch, heads, 1, head_dim), dtype=dtype, device=device).expand(shape)
+    pool = torch.zeros((paging.shape.pages + 1, heads, paging.page_size, head_dim), dtype=dtype, device=device)
+    rows = torch.zeros((batch, heads, slots - capacity, head_dim), dtype=dtype, device=device)
+    return stand_in, PagedKV(pool, rows, paging.table, capacity)
+
+
+def paged_bytes(paged: PagedKV) -> int:
+    return sum(t.numel() * t.element_size() for t in (paged.pool, paged.rows))
