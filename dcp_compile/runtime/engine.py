@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dcp_compile.runtime.generate import tokens_prefilled
 from dcp_compile.runtime.request import RequestLimits, RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
 from dcp_compile.runtime.spec import SpecDecoder
+from dcp_compile.runtime.row_pages import RowPages, need_tokens
 from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, start_rows, stop_rows
 
 
@@ -117,6 +118,7 @@ class SpecEngine:
         # the step in flight, and every rank's host would wait for it before the next launch.
         self.control = dist.new_group(backend="gloo") if self.leader else None
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
+        self.pages = RowPages(decoder.paging, self.B, self.max_seq_len) if decoder.paging is not None else None
         self.vocab = decoder.target.vocab_size
         # The decoder's own: its captured steps hold these generators.
         self.noise = decoder.noise
@@ -156,8 +158,8 @@ class SpecEngine:
     def limits(self) -> RequestLimits:
         """What every request is checked against, as plain data (``dcp-compile serve``'s
         HTTP process checks requests with it, away from the engine)."""
-        return RequestLimits(vocab=self.vocab, max_seq_len=self.max_seq_len, k=self.k,
-                             temperature=self.decoder.temperature)
+        return RequestLimits(vocab=self.vocab, max_seq_len=self.max_seq_len, k=self.k, temperature=self.decoder.temperature,
+                             pool_tokens=self.pages.capacity_tokens if self.pages else 0)
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:
         """The prompt as a list and the request's temperature, or ``ValueError`` saying what
@@ -208,7 +210,12 @@ class SpecEngine:
         plan = _Plan(aborts=sorted(self.requests[i].row for i in self.pending_aborts))
         self.pending_aborts.clear()
         free = [row for row in range(self.B) if self.rows[row] is None or row in plan.aborts]
+        budget = self.pages.available if self.pages else 0  # pages; the aborted rows' come back next step
         while self.waiting and free:
+            if self.pages:  # a paged target admits by the pages a request needs, in order
+                budget -= self.pages.pages_for(need_tokens(self.waiting[0], self.k))
+                if budget < 0:
+                    break
             request = self.waiting.popleft()
             request.row = free.pop(0)
             plan.admits.append(request)
@@ -274,6 +281,8 @@ class SpecEngine:
 
     def _free(self, request: _Request) -> None:
         if request.row is not None:
+            if self.pages:
+                self.pages.release(request.row)
             self.rows[request.row] = None
             self.noise.seed_row(request.row, None)
         self.requests.pop(request.id, None)
@@ -316,6 +325,8 @@ class SpecEngine:
         if plan.aborts and self.state is not None:
             stop_rows(self.state, plan.aborts)
         for request in plan.admits:
+            if self.pages:
+                self.pages.admit(request.row, request.prompt, need_tokens(request, self.k))
             self.rows[request.row] = request
             self.noise.seed_row(request.row, request.params.seed)
         self.stats["admitted"] += len(plan.admits)

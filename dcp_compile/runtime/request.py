@@ -30,6 +30,8 @@ class RequestLimits:
     """Draft tokens a step verifies: a row needs ``k + 1`` positions past its last token."""
     temperature: float
     """The decoder's, for a request that gives none."""
+    pool_tokens: int = 0
+    """A paged target's pool, in tokens over the group; 0: each row holds ``max_seq_len``."""
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:
         """The prompt as a list and the request's temperature, or ``ValueError`` saying what
@@ -51,6 +53,10 @@ class RequestLimits:
                 f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} cache "
                 f"positions; the cache holds max_seq_len={self.max_seq_len}"
             )
+        if self.pool_tokens and need > self.pool_tokens:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} tokens "
+                f"of KV, more than the whole pool's {self.pool_tokens} (kv_tokens): ask for fewer tokens")
         temperature = self.temperature if params.temperature is None else params.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not math.isfinite(temperature) or temperature < 0:

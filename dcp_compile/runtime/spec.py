@@ -1,9 +1,8 @@
 """Speculative decoding with EAGLE / EAGLE3 chain drafts over a DCP-sharded target.
 
-Every graph's role is fixed when it is compiled: the target's prefill and verify
-graphs are sharded (``dcp.backend(group, "target")``, ``verify=True``), the draft's
-extend and step graphs are whole (``dcp.backend(group, "draft")``).  Nothing is
-switched between draft and target calls.
+Every graph's role is fixed when it is compiled: the target's prefill and verify graphs
+are sharded (``dcp.backend(group, "target")``, ``verify=True``), the draft's extend and
+step graphs whole (``dcp.backend(group, "draft")``).  Nothing is switched between calls.
 
 One step, for every sequence of the batch at once (static shapes, ragged counts):
 
@@ -15,19 +14,18 @@ One step, for every sequence of the batch at once (static shapes, ragged counts)
 4. draft-extend over the accepted positions, which yields ``d1`` of the next step;
 5. draft ``d2..dk`` as a chain (one token per step).
 
-The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1`` and
-proposes token ``p + 2`` (the EAGLE convention).
+The draft at position ``p`` reads the target's feature at ``p`` and token ``p + 1``
+and proposes token ``p + 2`` (the EAGLE convention).
 
 Sampling runs on the device (``sampling``: seeded ``Noise`` alike on every rank, and the
-acceptance rule), so every rank accepts the same tokens without communicating.  The host
-reads one small tensor per step (the emitted tokens and the accept counts).
+acceptance rule), so every rank accepts the same tokens without communicating; the host
+reads one small tensor a step (the emitted tokens and the accept counts).
 
 Three parts: ``SpecGraphs`` prepares the models and compiles the step graphs (after
-``SpecDecoder`` has checked every argument); ``DeviceStep`` runs a prefill or a
-speculative step on the device; ``engine.SpecEngine``, which uses a decoder and is never
-used by it, keeps the requests on the host and admits them into rows
-(``engine.generate_all`` is a loop over one).  Models meet the decoder through a small
-protocol (``SpecTarget``, ``SpecDraft``), not through their configs.
+``SpecDecoder`` has checked every argument); ``DeviceStep`` runs a prefill or a step on
+the device; ``engine.SpecEngine`` (which uses a decoder, never the reverse) keeps the
+requests on the host and admits them into rows (``engine.generate_all`` loops over one).
+Models meet the decoder through a protocol (``SpecTarget``, ``SpecDraft``), not configs.
 """
 
 from __future__ import annotations
@@ -87,9 +85,8 @@ class SpecGraphs:
                  page_size: int = 0, kv_tokens: int = 0):
         device = group.device
         verify_tokens = k + 1 if tree is None else tree.verify_tokens
-        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
-                              verify_tokens=verify_tokens, tree=tree is not None, page_size=page_size,
-                              kv_tokens=kv_tokens).paging
+        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, tree=tree is not None,
+                              verify_tokens=verify_tokens, page_size=page_size, kv_tokens=kv_tokens).paging
         if draft is not None:
             draft_example = (
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
@@ -358,20 +355,22 @@ class SpecDecoder:
     ``dcp.backend``).  ``kernels``: the attention kernels under Inductor, ``"inline"`` or
     ``"opaque"`` (``dcp.backend``, ``ops.inlining``); unset, opaque when ``cuda_graphs``
     captures the step (an op's dispatch is then paid at capture alone) and inline otherwise.
-    ``cuda_graphs``: capture the step in CUDA graphs once per shape
-    and replay it: with ``step_graph`` (the default then) the whole step is one graph
-    (``runtime.step_graph``); ``step_graph=False`` captures the calls (verify, commit,
-    draft extend and step or depths) one by one, the glue between them uncaptured.  On a
-    CPU group ``step_graph=True`` runs the step over the same static buffers, uncaptured.
-    ``check_ranks``: after
-    the prefill and every verify, compare a checksum of the merged logits and the accept
-    decisions across ranks (one small eager all-gather per step) and raise on the first
-    difference; a debugging aid, since ranks that disagree would otherwise run different
-    numbers of steps and hang in a collective.  ``chunk_size``: prompt tokens per row
-    and prefill step (default ``min(DEFAULT_CHUNK_SIZE, max_seq_len)``); every prompt,
-    however long, is fed in ``[max_batch, chunk_size]`` chunks (one compiled graph each
-    for the target and the draft), so a prefill's memory is bounded by the chunk and a
-    new prompt width never recompiles.
+    ``cuda_graphs``: capture the step in CUDA graphs once per shape and replay it: with
+    ``step_graph`` (the default then) the whole step is one graph (``runtime.step_graph``);
+    ``step_graph=False`` captures the calls (verify, commit, draft extend and step or
+    depths) one by one, the glue between them uncaptured.  On a CPU group
+    ``step_graph=True`` runs the step over the same static buffers, uncaptured.
+    ``check_ranks``: after the prefill and every verify, compare a checksum of the merged
+    logits and the accept decisions across ranks (one small eager all-gather per step)
+    and raise on the first difference; a debugging aid, since ranks that disagree would
+    otherwise run different numbers of steps and hang in a collective.  ``chunk_size``:
+    prompt tokens per row and prefill step (default ``min(DEFAULT_CHUNK_SIZE,
+    max_seq_len)``); every prompt is fed in ``[max_batch, chunk_size]`` chunks (one
+    compiled graph each for the target and the draft), so a prefill's memory is bounded
+    by the chunk and a new prompt width never recompiles.  ``page_size`` and
+    ``kv_tokens``: the target's caches live in a pool of ``kv_tokens`` tokens over the
+    group, in pages of ``page_size`` slots a rank (``dcp.prepare``); the engine admits a
+    request when the pool has the pages for its whole length, and frees them as it ends.
     """
 
     def __init__(
@@ -395,8 +394,7 @@ class SpecDecoder:
         step_graph: bool | None = None,
         check_ranks: bool = False,
         chunk_size: int | None = None,
-        page_size: int = 0,
-        kv_tokens: int = 0,
+        page_size: int = 0, kv_tokens: int = 0,
     ):
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
@@ -418,8 +416,7 @@ class SpecDecoder:
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                             lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels,
                             page_size=page_size, kv_tokens=kv_tokens)
-        self.graphs, self.paging = graphs, graphs.paging
-        """``paging``: the target's pool and block table (``page_size``), else ``None``."""
+        self.graphs, self.paging = graphs, graphs.paging  # the pool's shape and block table, or None
         self.target_backend, self.verify_backend, self.draft_backend = (
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
         self.graph_runners = graphs.graph_runners

@@ -11,8 +11,8 @@ from tests.runtime.workers import diverging_spec_worker, spec_worker
 K = 4
 
 
-def run(size, kind, temperature=0.0, max_new_tokens=40, step_graph=False):
-    results = spawn_ranks(spec_worker, size, kind, K, temperature, max_new_tokens, step_graph, timeout=900)
+def run(size, kind, temperature=0.0, max_new_tokens=40, step_graph=False, paging=None):
+    results = spawn_ranks(spec_worker, size, kind, K, temperature, max_new_tokens, step_graph, paging, timeout=900)
     for r in results[1:]:
         assert r["tokens"] == results[0]["tokens"] and r["accepted"] == results[0]["accepted"], "ranks disagree"
     return results[0]
@@ -42,12 +42,15 @@ def test_eagle3_gate(size):
 
 
 def test_eagle_gate():
+    """The DCP arm's target caches are paged, in a pool too small for every request at
+    once (96 tokens: pages of 4 slots a rank, 8 token positions): requests wait for pages."""
     off = off_run("eagle")
-    dcp_arm = run(2, "eagle")
+    dcp_arm = run(2, "eagle", paging=dict(page_size=4, kv_tokens=96))
     assert dcp_arm["tokens"] == off["tokens"]
     assert dcp_arm["accepted"] == off["accepted"]
     seen = {a for row in dcp_arm["accepted"] for a in row}
     assert seen == set(range(K + 1)), f"the batch must exercise every accept count 0..{K}, saw {sorted(seen)}"
+    assert dcp_arm["paged_graphs"] == [4, 4], "prefill and verify: each of the 4 layers' prefix reads pages"
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -56,8 +59,12 @@ def test_sampling_gate(size):
     and still the off arm's tokens.  The DCP arm runs each step as one graph, the off arm
     the step's calls one by one."""
     off = off_run("eagle3", 0.8, 24)
-    dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24, step_graph=True)
+    # Paged at N = 3, in a pool that holds the four requests at once (half the rows' 4 x 96
+    # tokens): rows that waited for pages would draw other noise, as the off arm's would.
+    paging = dict(page_size=2, kv_tokens=192) if size == 3 else None
+    dcp_arm = run(size, "eagle3", temperature=0.8, max_new_tokens=24, step_graph=True, paging=paging)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
+    assert any(dcp_arm["paged_graphs"]) == (paging is not None)
 
 
 def test_ranks_that_diverge_all_stop_with_the_same_error():

@@ -57,10 +57,13 @@ def test_a_chain_through_the_tree_graphs_is_the_chain(off_arm):
 @pytest.mark.parametrize("size", [2, 3])
 def test_dcp_trees_give_the_off_arms_tokens_and_accept_counts(size, off_arm):
     """The DCP arm runs each step as one graph (``step_graph``; on CPU over its static
-    buffers), the off arm makes the step's calls one by one: ranks agree, and both agree."""
-    (dcp_arm,) = run(size, (TREE | dict(step_graph=True, check_ranks=False),))
+    buffers), the off arm makes the step's calls one by one: ranks agree, and both agree.
+    At N = 3 the target's caches are paged (pages of 2 slots a rank, a pool of 192 tokens)."""
+    paging = dict(page_size=2, kv_tokens=192) if size == 3 else {}
+    (dcp_arm,) = run(size, (TREE | dict(step_graph=True, check_ranks=False) | paging,))
     off = off_arm["tree"]
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
+    assert all(n == 4 for n in dcp_arm["paged_graphs"]) if paging else not any(dcp_arm["paged_graphs"])
     # Sampling went untested unless some sampled row left the target's greedy path.
     plain = off_arm["plain"]["tokens"]
     assert any(dcp_arm["tokens"][i] != plain[i] for i in SAMPLED_ROWS)

@@ -191,9 +191,10 @@ SPEC_FIXTURES = {"eagle3": dict(noise=3.0), "eagle": dict(noise=2.5, seed=2),
                  "mqa": dict(kind="eagle3", noise=3.0, n_kv_heads=1)}
 
 
-def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=False):
+def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=False, paging=None):
     """Speculative decoding of four prompts with the agreeing test pair on ``size`` ranks;
-    ``step_graph``: each step as one graph (which runs without the per-step rank check)."""
+    ``step_graph``: each step as one graph (which runs without the per-step rank check);
+    ``paging``: ``page_size`` and ``kv_tokens`` for the target's pool."""
     from dcp_compile.runtime.spec import SpecDecoder
     from tests.support import agreeing_pair
 
@@ -201,7 +202,7 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=Fal
     fixture = dict(SPEC_FIXTURES[kind])
     target, draft = agreeing_pair(fixture.pop("kind", kind), **fixture)
     decoder = SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, temperature=temperature, seed=11,
-                          lowering="aot_eager", check_ranks=not step_graph, step_graph=step_graph)
+                          lowering="aot_eager", check_ranks=not step_graph, step_graph=step_graph, **(paging or {}))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 9, 14, 20)]
     streamed = {i: [] for i in range(len(prompts))}
@@ -218,8 +219,15 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=Fal
         tokens=[o.tokens for o in outputs], accepted=[o.accepted for o in outputs],
         finished=[o.finished_by for o in outputs], streamed=[streamed[i] for i in range(len(prompts))],
         collectives=collectives, draft_cache=tuple(draft.attention.k_cache.shape),
-        commit_compiled=decoder.graphs.commit_c is not None,
+        commit_compiled=decoder.graphs.commit_c is not None, paged_graphs=_paged_graphs(decoder),
     )
+
+
+def _paged_graphs(decoder) -> list[int]:
+    """Per compiled target graph, its paged prefix attentions."""
+    paged = torch.ops.dcp.paged_prefix_attention.default
+    return [sum(n.target is paged for n in c.graph_module.graph.nodes)
+            for b in (decoder.target_backend, decoder.verify_backend) for c in b.compiled]
 
 
 def diverging_spec_worker(rank, size):
@@ -551,6 +559,6 @@ def tree_spec_worker(rank, size, runs, max_new_tokens):
         results.append(dict(
             tokens=[tokens[i] for i in ids], accepted=[accepted[i] for i in ids], tree=decoder.tree_shape,
             draft_collectives=decoder.draft_backend.collective_counts if run["k"] else [],
-            draft_cache=tuple(draft.attention.k_cache.shape),
+            draft_cache=tuple(draft.attention.k_cache.shape), paged_graphs=_paged_graphs(decoder),
         ))
     return results
