@@ -1,0 +1,119 @@
+"""A target's caches paged by the compiler (``prepare(page_size=P, kv_tokens=N)``) on a
+group of one: the write idioms against themselves unpaged, the engine admitting requests
+by the pages they need (against unpaged rows, bitwise), and the refusals.  The DCP arms
+run paged in the chain and tree gates (``test_spec_gate``, ``test_tree_spec``)."""
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.records import record_for
+from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+from tests.passes import graphs
+from tests.runtime.test_engine import PROMPTS, run
+from tests.support import FP32_TOLERANCE, agreeing_pair
+
+PAGED_IDIOMS = ["GptFastStyle", "IndexCopyStyle", "HandWrittenGptFast", "HandWrittenHFEager"]
+
+
+def shuffled_pages(paging, seed=3):
+    """Every row's every page, from a shuffled pool: reads in page order would be wrong."""
+    table = paging.table
+    pages = torch.randperm(paging.shape.pages, generator=torch.Generator().manual_seed(seed))[: table.numel()]
+    table.copy_(pages.view(table.shape).to(table.dtype))
+
+
+@pytest.mark.parametrize("module_name", PAGED_IDIOMS)
+def test_write_idioms_paged_match_the_unpaged_module(module_name):
+    group = dcp.init_group("cpu")
+    module_cls = getattr(graphs, module_name)
+    torch.manual_seed(0)
+    model, reference = module_cls(), module_cls()
+    reference.load_state_dict(model.state_dict())
+    prepared = dcp.prepare(model, group, "target", max_batch=graphs.B, max_seq_len=graphs.S, page_size=4,
+                           kv_tokens=2 * graphs.B * graphs.S, example_inputs=graphs.inputs_for(model, 1))
+    shuffled_pages(prepared.paging)
+    cache = next(b for _, b in model.named_buffers() if record_for(b) is not None)
+    assert cache.stride(2) == 0, "the model's buffer is a stand-in with no memory along the sequence"
+    compiled = torch.compile(model, backend=dcp.backend(group, lowering="aot_eager"), fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for start, tokens in [(0, 5)] + [(p, 1) for p in range(5, 12)]:
+            x, pos = torch.randn(graphs.B, tokens, graphs.D, generator=gen), torch.arange(start, start + tokens)
+            torch.testing.assert_close(compiled(x, pos), reference(x, pos), **FP32_TOLERANCE)
+    with pytest.raises(RuntimeError, match="did not go through a graph compiled by dcp.backend"):
+        model(x, pos)  # a paged model has no cache of its own to run on
+
+
+def make_decoder(**paging):
+    target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+    return dcp.SpecDecoder(target, draft, dcp.init_group("cpu"), k=3, max_batch=3, max_seq_len=96,
+                           lowering="aot_eager", **paging)
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    """Rows of 96 slots, and a pool of 72 tokens (pages of 8) for the same three rows."""
+    return make_decoder(), make_decoder(page_size=8, kv_tokens=72)
+
+
+def test_requests_wait_for_pages_and_give_the_unpaged_tokens(decoders):
+    static, paged = decoders
+    lengths = [40, 5, 30, 9, 14, 7]
+    seeds = [None, 7, None, 8, None, 9]  # greedy and seeded rows
+    arrivals = [(at, p, SamplingParams(max_new_tokens=n, temperature=0.0 if s is None else 0.8, seed=s))
+                for at, p, n, s in zip([0, 0, 0, 3, 3, 9], PROMPTS, lengths, seeds)]
+    engine = SpecEngine(paged)
+    waited = []
+    engine_step = engine.step
+    engine.step = lambda: (waited.append((engine.running, len(engine.waiting))), engine_step())[1]
+    expected, out = run(SpecEngine(static), arrivals, aborts=[(4, 4)]), run(engine, arrivals, aborts=[(4, 4)])
+    assert out["tokens"] == expected["tokens"] and out["accepted"] == expected["accepted"]
+    assert out["ends"] == expected["ends"] == ["length"] * 4 + ["aborted", "length"]
+    assert any(running < 3 and queued for running, queued in waited), "the pool, not the rows, held requests back"
+    assert engine.pages.used_tokens == 0 and (engine.pages.blocks.table == engine.pages.blocks.null_page).all()
+
+
+def test_a_request_larger_than_the_pool_is_refused_with_both_numbers(decoders):
+    engine = SpecEngine(decoders[1])
+    with pytest.raises(ValueError, match=r"needs 74 tokens of KV, more than the whole pool's 72"):
+        engine.add_request([1] * 30, SamplingParams(max_new_tokens=40))
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    out = {}
+    while engine.has_work():
+        out.update(engine.step())
+    assert out[rid].finished_by == "length"
+
+
+def test_paged_memory_is_the_pool_not_the_rows():
+    page, pool_tokens = 8, 96
+    static, _ = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+    paged, _ = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+    group = dcp.init_group("cpu")
+    rows = dcp.prepare(static, group, "target", max_batch=3, max_seq_len=96, verify_tokens=4, tree=True)
+    pool = dcp.prepare(paged, group, "target", max_batch=3, max_seq_len=96, verify_tokens=4, page_size=page,
+                       kv_tokens=pool_tokens)
+    assert pool.paging.shape.pages == pool_tokens // page and pool.paging.table.shape == (3, 96 // page)
+    # Rows: 3 x (96 + 1 + 4) slots a cache; the pool: 13 pages of 8, and 3 x 5 trash and staging slots.
+    assert pool.kv_bytes / rows.kv_bytes == pytest.approx((13 * 8 + 3 * 5) / (3 * 101))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(page_size=3, interleave=2, kv_tokens=96), "does not divide into the layout's blocks of interleave=2"),
+    (dict(page_size=8, kv_tokens=4), "kv_tokens=4 is less than one page of 8 tokens"),
+    (dict(page_size=-1, kv_tokens=96), "page_size must be a positive int"),
+])
+def test_bad_pools_are_refused(options, message):
+    target, _ = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+    with pytest.raises(ValueError, match=message):
+        dcp.prepare(target, dcp.init_group("cpu"), "target", max_batch=3, max_seq_len=96, **options)
+
+
+def test_a_draft_or_a_bshd_cache_is_not_paged():
+    _, draft = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+    with pytest.raises(ValueError, match="the draft's cache stays whole"):
+        dcp.prepare(draft, dcp.init_group("cpu"), "draft", max_batch=3, max_seq_len=96, page_size=8, kv_tokens=96)
+    model = graphs.IndexPutBSHD()
+    with pytest.raises(ValueError, match=r"page_size pages \[batch, heads, seq, head_dim\] caches"):
+        dcp.prepare(model, dcp.init_group("cpu"), "target", max_batch=graphs.B, max_seq_len=graphs.S, page_size=4,
+                    kv_tokens=64, example_inputs=graphs.inputs_for(model, 1))
