@@ -61,6 +61,18 @@ def test_serve_rejects_an_admission_window_out_of_range(capsys):
     assert "--admission-window-ms must be in [0, 1000], got -1.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--page-size", "4"], "--page-size and --kv-tokens go together, both >= 1 (or both 0: no pool); got --page-size 4 "
+                           "and --kv-tokens 0"),
+    (["--page-size", "4", "--kv-tokens", "512", "--max-seq-len", "1024"],
+     "--max-seq-len 1024 is more than the pool's --kv-tokens 512"),
+])
+def test_serve_rejects_a_pool_that_cannot_hold_a_request(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 TREE_REFUSALS = {
     "topk below 1": (("--topk", "0"), "--k 4 --topk 0 --draft-tokens 4: topk must be >= 1, got topk=0"),
     "fewer nodes than the depth": (("--draft-tokens", "3"), "draft_tokens=3 is below the depth k=4"),

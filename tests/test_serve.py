@@ -36,7 +36,8 @@ def server(tmp_path_factory):
 
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    process = start_server(port, log)
+    # The target's KV in a pool of 768 tokens, half what the 4 rows of 384 would reserve.
+    process = start_server(port, log, "--page-size", "4", "--kv-tokens", str(2 * MAX_SEQ_LEN))
     yield dict(url=f"http://127.0.0.1:{port}", process=process, log=log)
     load_test.stop_server(process)
 
@@ -158,6 +159,8 @@ def test_a_client_that_disconnects_frees_its_row(server):
     while metric(url, "dcp_requests_running") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric(url, "dcp_requests_running") == 0
+    assert metric(url, "dcp_kv_pool_used_tokens") == 0, "its pages went back to the pool"
+    assert metric(url, "dcp_kv_pool_capacity_tokens") == 2 * MAX_SEQ_LEN
     finished = metric(url, "dcp_tokens_total")
     time.sleep(0.5)
     assert metric(url, "dcp_tokens_total") == finished  # nothing decodes for it any more

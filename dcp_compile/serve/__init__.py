@@ -64,7 +64,8 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
     decoder = dcp.SpecDecoder(target, draft, group, **shape, max_batch=args.max_batch,
                               max_seq_len=args.max_seq_len, temperature=args.temperature, seed=args.seed,
                               lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
-                              cuda_graphs=args.cuda_graphs and group.device.type == "cuda")
+                              cuda_graphs=args.cuda_graphs and group.device.type == "cuda",
+                              page_size=args.page_size, kv_tokens=args.kv_tokens)
     return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids), codec
 
 
@@ -217,6 +218,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="cache positions per row (default 1024)")
+    parser.add_argument("--page-size", type=int, default=0, help="keep the target's KV in a pool of pages of this many "
+                        "slots a rank, and admit requests by the pages they need (default 0: every row holds --max-seq-len)")
+    parser.add_argument("--kv-tokens", type=int, default=0, help="with --page-size: the pool's capacity in tokens over "
+                        "the DCP group")
     parser.add_argument("--temperature", type=float, default=0.0, help="for requests that give none (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="the shared sampling generator's seed")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
@@ -237,6 +242,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.page_size < 0 or args.kv_tokens < 0 or bool(args.page_size) != bool(args.kv_tokens):
+        parser.error(f"--page-size and --kv-tokens go together, both >= 1 (or both 0: no pool); got --page-size "
+                     f"{args.page_size} and --kv-tokens {args.kv_tokens}")
+    if args.page_size and args.max_seq_len > args.kv_tokens:
+        parser.error(f"--max-seq-len {args.max_seq_len} is more than the pool's --kv-tokens {args.kv_tokens}: a request "
+                     f"of --max-seq-len tokens could never run. Raise --kv-tokens or lower --max-seq-len")
     for name in ("drain_seconds", "collective_timeout", "step_timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

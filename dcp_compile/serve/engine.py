@@ -255,7 +255,15 @@ class EngineLoop:
             # Steady state: arrivals and departures must leave these two unchanged.
             "dcp_compiles_total": counters["stats"].get("unique_graphs", 0),
             "dcp_graph_captures_total": sum(r.captures for r in self.engine.decoder.graph_runners),
+            **self._pool_status(),
         }
+
+    def _pool_status(self) -> dict:
+        """A paged target's pool: its size and the tokens its running requests hold."""
+        pages = self.engine.pages
+        if pages is None:
+            return {}
+        return {"dcp_kv_pool_capacity_tokens": pages.capacity_tokens, "dcp_kv_pool_used_tokens": pages.used_tokens}
 
 
 def serve_in_thread(engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0) -> Frontend:
