@@ -25,6 +25,7 @@ cascade arm's (the paged kernels read the same keys in the same order).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -82,28 +83,34 @@ def step_calls(built: dict, name: str, context: int, device):
     return call, out
 
 
+def measure_arm(cfg, arm: str, args, device, points: dict, logits: dict) -> None:
+    timer = Timer(device, args.reps, warmup=3)
+    built = build(cfg, arm, args, max(args.contexts), device)
+    with torch.no_grad():
+        for context in args.contexts:
+            for name in ("decode", "verify"):
+                call, out = step_calls(built, name, context, device)
+                run, method = timer.prepare([call])
+                points[context][f"{arm}_{name}_ms"] = timer.measure(run, 1) * 1e3
+                points[context]["method"] = method
+                logits[(arm, context, name)] = out["logits"].clone()
+            log(f"{arm} at {context}: " + json.dumps({k: v for k, v in points[context].items() if k.startswith(arm)}))
+
+
 def measure(cfg, args, device) -> list[dict]:
     """Every context of every arm, each arm built once for the longest context (its
     rows at ``context`` tokens is a position, not a shape: no recompile)."""
-    timer = Timer(device, args.reps, warmup=3)
     points = {c: dict(context=c, batch=args.batch, page_size=args.page_size) for c in args.contexts}
     logits = {}
     for arm in args.arms:
         log(f"{arm}: compiling")
-        built = build(cfg, arm, args, max(args.contexts), device)
-        with torch.no_grad():
-            for context in args.contexts:
-                for name in ("decode", "verify"):
-                    call, out = step_calls(built, name, context, device)
-                    run, method = timer.prepare([call])
-                    points[context][f"{arm}_{name}_ms"] = timer.measure(run, 1) * 1e3
-                    points[context]["method"] = method
-                    logits[(arm, context, name)] = out["logits"].clone()
-                log(f"{arm} at {context}: " + json.dumps({k: v for k, v in points[context].items() if k.startswith(arm)}))
-        del built
+        measure_arm(cfg, arm, args, device, points, logits)
+        # The arm's model, caches, compiled code and captured graphs go before the next one's.
         torch._dynamo.reset()
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            log(f"after {arm}: {torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free")
     for context, point in points.items():
         for name in ("decode", "verify"):
             for other in ("rows", "cascade"):

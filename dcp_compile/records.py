@@ -80,11 +80,12 @@ class PagedKV:
     along the sequence axis; the compiled graphs read and write these instead."""
 
     pool: torch.Tensor
-    """``[pages + 1, H, P, D]``: the owner slots of every row, page by page; the last page
-    is the null page, where writes of unheld slots land and which nothing reads."""
+    """``[pages + 1, H, P, D]`` (``H`` = 1 for MLA's ``[B, S, C]`` caches): the owner slots of
+    every row, page by page; the last page is the null page, where writes of unheld slots
+    land and which nothing reads."""
     rows: torch.Tensor
-    """``[B, H, 1 + verify_tokens, D]``: each row's trash slot and staging slots (the local
-    slots from ``S_loc`` on)."""
+    """The cache's own layout with ``1 + verify_tokens`` slots: each row's trash slot and
+    staging slots (the local slots from ``S_loc`` on)."""
     table: torch.Tensor
     """``[B, pages a row]`` int32, shared by the model's caches: row ``b``'s local slot
     ``s`` is in page ``table[b, s // P]`` at row ``s % P``."""

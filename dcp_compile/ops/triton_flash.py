@@ -256,6 +256,9 @@ def _flash_fwd_kernel(
         table_row = TABLE + b * s_tb
         k_head = K + kv_head.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
         v_head = V + kv_head.to(tl.int64) * s_vh + offs_d[None, :] * s_vd
+        # Page ids are read a block ahead, so that no K or V load waits on a load of its own iteration.
+        k_rows, v_rows = slot_rows(table_row, lo_block + offs_n, lo_block + offs_n < hi, s_kb, s_ks, s_vb, s_vs,
+                                   last_page, PAGE, True)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -273,9 +276,10 @@ def _flash_fwd_kernel(
             # A key no row of the tile sees is not loaded: 0 * NaN cannot reach the sum.
             live = live & (tl.max(anc.to(tl.int32), 0) > 0)
         if PAGE > 0:
-            k_rows, v_rows = slot_rows(table_row, keys, live, s_kb, s_ks, s_vb, s_vs, last_page, PAGE, True)
             k_ptrs = k_head + k_rows[:, None]
             v_ptrs = v_head + v_rows[:, None]
+            ahead = keys + BLOCK_N
+            k_rows, v_rows = slot_rows(table_row, ahead, ahead < hi, s_kb, s_ks, s_vb, s_vs, last_page, PAGE, True)
         if DK == D:  # the mask on the head axis only where it masks something
             k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
         else:

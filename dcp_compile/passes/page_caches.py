@@ -11,7 +11,8 @@ Invariant established, for each paged cache placeholder ``c``:
   (the trash slot, and slots of pages the row does not hold, go to the null page);
 - a verify graph's write to staging slots writes the per-row buffer instead, at the same
   slots less ``S_loc``;
-- ``prefix_attention(q, c, ...)`` becomes ``paged_prefix_attention(q, pool, table, ...)``;
+- ``prefix_attention(q, c, ...)`` becomes ``paged_prefix_attention(q, pool, table, ...)``
+  (MLA's ``latent_prefix_attention``: ``paged_latent_prefix_attention``);
 - the window's read of staging slots reads the per-row buffer;
 - nothing else reads ``c``.  The pools, the per-row buffers and the table become graph
   inputs after the model's own (``extra_inputs`` says which, in order).
@@ -31,8 +32,11 @@ from dcp_compile.passes.fx_utils import GraphPatternError, where
 from dcp_compile.passes.kv_index import WriteIndex, positions_node
 from dcp_compile.records import PagedKV
 
-PREFIX_ATTENTION = torch.ops.dcp.prefix_attention.default
-PAGED_PREFIX_ATTENTION = torch.ops.dcp.paged_prefix_attention.default
+PAGED_FORMS = {
+    torch.ops.dcp.prefix_attention.default: torch.ops.dcp.paged_prefix_attention.default,
+    torch.ops.dcp.latent_prefix_attention.default: torch.ops.dcp.paged_latent_prefix_attention.default,
+}
+"""Each prefix op over a cache, and its form over pools and a block table."""
 
 
 def _value_node(write: Node) -> Node:
@@ -74,12 +78,13 @@ def _page_reads(graph, view: Node, pools: dict[Node, Node], rows: Node, table: N
     """Rewrite the users of ``cache_BHSD(c)``: the prefix reads the pools, the window the
     per-row buffer."""
     for user in list(view.users):
-        if user.target is PREFIX_ATTENTION:
+        if user.target in PAGED_FORMS:
             q, k, v, kv_len, scale, *bound = user.args
             if k not in pools or v not in pools:
                 raise GraphPatternError(f"prefix attention at {where(user)} reads a paged and an unpaged cache")
             with graph.inserting_before(user):
-                paged = graph.call_function(PAGED_PREFIX_ATTENTION, (q, pools[k], pools[v], table, kv_len, scale, *bound))
+                paged = graph.call_function(PAGED_FORMS[user.target], (q, pools[k], pools[v], table, kv_len, scale,
+                                                                       *bound))
             user.replace_all_uses_with(paged)
             graph.erase_node(user)
         elif user.target is torch.narrow and user.args[1] == 2 and user.args[2] >= capacity:

@@ -90,6 +90,7 @@ class KVCommit(nn.Module):
 
 def _commit_to_pages(pool, rows, table, slots: torch.Tensor, path: torch.Tensor | None, record: CacheRecord) -> None:
     """The paged form: staging is ``rows[:, :, 1:]`` (after the trash slot), owners are pages."""
+    rows = cache_BHSD(rows, seq_dim=record.seq_dim)
     if path is None:
         staged = rows[:, :, 1 : 1 + record.verify_tokens]  # [B, H, T, D]; store_in_pages copies
     else:

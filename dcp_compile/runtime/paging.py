@@ -58,15 +58,22 @@ def plan_paging(page_size: int, kv_tokens: int, layout: KVLayout, max_batch: int
 
 def paged_buffers(shape: list[int], seq_dim: int, dtype: torch.dtype, device, paging: Paging, capacity: int,
                   name: str) -> tuple[torch.Tensor, PagedKV]:
-    """The stand-in buffer of local ``shape`` and the pages behind it, for one cache."""
-    if len(shape) != 4 or seq_dim != 2:
+    """The stand-in buffer of local ``shape`` and the pages behind it, for one cache: a
+    ``[B, H, S, D]`` cache's pool is ``[pages + 1, H, P, D]``, an MLA ``[B, S, C]`` one's
+    ``[pages + 1, 1, P, C]`` (the latent kernels' one head)."""
+    if (len(shape), seq_dim) not in ((4, 2), (3, 1)):
         raise ValueError(
             f"KV cache {name} has shape {tuple(shape)} with its sequence on axis {seq_dim}; page_size pages "
-            f"[batch, heads, seq, head_dim] caches (sequence on axis 2). Prepare this model without page_size")
-    batch, heads, slots, head_dim = shape
-    stand_in = torch.zeros((batch, heads, 1, head_dim), dtype=dtype, device=device).expand(shape)
-    pool = torch.zeros((paging.shape.pages + 1, heads, paging.page_size, head_dim), dtype=dtype, device=device)
-    rows = torch.zeros((batch, heads, slots - capacity, head_dim), dtype=dtype, device=device)
+            f"[batch, heads, seq, head_dim] caches (sequence on axis 2) and MLA's [batch, seq, width] ones. "
+            f"Prepare this model without page_size")
+    heads = shape[1] if len(shape) == 4 else 1
+    unit = list(shape)
+    unit[seq_dim] = 1
+    stand_in = torch.zeros(unit, dtype=dtype, device=device).expand(shape)
+    pool = torch.zeros((paging.shape.pages + 1, heads, paging.page_size, shape[-1]), dtype=dtype, device=device)
+    rows_shape = list(shape)
+    rows_shape[seq_dim] = shape[seq_dim] - capacity
+    rows = torch.zeros(rows_shape, dtype=dtype, device=device)
     return stand_in, PagedKV(pool, rows, paging.table, capacity)
 
 

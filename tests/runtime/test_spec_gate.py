@@ -78,11 +78,14 @@ def test_ranks_that_diverge_all_stop_with_the_same_error():
 @pytest.mark.parametrize("size, temperature", [(2, 0.0), (4, 0.0), (2, 0.8)])
 def test_mla_target_gate(size, temperature):
     """An MLA target (latent caches sharded) with an EAGLE3 draft (a Llama layer, whole):
-    the off arm's tokens and accept counts, greedy and sampled."""
+    the off arm's tokens and accept counts, greedy and sampled.  At N = 4 the latent caches
+    are paged, in a pool of 96 tokens that runs two of the four requests at a time."""
     off = off_run("mla", temperature, 32)
-    dcp_arm = run(size, "mla", temperature=temperature, max_new_tokens=32)
+    paging = dict(page_size=2, kv_tokens=96) if size == 4 else None
+    dcp_arm = run(size, "mla", temperature=temperature, max_new_tokens=32, paging=paging)
     assert dcp_arm["tokens"] == off["tokens"] and dcp_arm["accepted"] == off["accepted"]
     seen = {a for row in dcp_arm["accepted"] for a in row}
     assert len(seen) >= 3, f"the batch should exercise several accept counts, saw {sorted(seen)}"
     assert dcp_arm["verify_all_gathers"] == [4], "verify: one all-gather per latent attention layer"
+    assert dcp_arm["paged_graphs"] == ([4, 4] if paging else [0, 0]), "each layer's prefix reads pages, or none does"
     assert dcp_arm["collectives"]["draft"] == [0, 0, 0]

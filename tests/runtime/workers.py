@@ -225,8 +225,8 @@ def spec_worker(rank, size, kind, k, temperature, max_new_tokens, step_graph=Fal
 
 def _paged_graphs(decoder) -> list[int]:
     """Per compiled target graph, its paged prefix attentions."""
-    paged = torch.ops.dcp.paged_prefix_attention.default
-    return [sum(n.target is paged for n in c.graph_module.graph.nodes)
+    paged = (torch.ops.dcp.paged_prefix_attention.default, torch.ops.dcp.paged_latent_prefix_attention.default)
+    return [sum(n.target in paged for n in c.graph_module.graph.nodes)
             for b in (decoder.target_backend, decoder.verify_backend) for c in b.compiled]
 
 
