@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dcp_compile.commands.chat_prompts import chat_prompts, evaluation_prompts, prompt_ids
-from dcp_compile.commands.training import _lr, _progress
+from dcp_compile.commands.training import _lr, _progress, unrolled_losses
 from dcp_compile.files import write_whole
 from dcp_compile.models.draft_config import DraftConfig, eagle3_aux_layers
 
@@ -243,19 +243,7 @@ def draft_losses(draft, logits: torch.Tensor, features: torch.Tensor, tokens: to
     counted = F.pad(answer[:, 1:], (0, 1)) & in_vocab[logits.argmax(-1)]
     teacher = logits[..., vocab].float().softmax(-1)
     steps = draft.forward_unrolled(tokens[:, 1 : T + 1], features[:, :T], ttt_steps)
-    losses, agreements = [], []
-    for j, student in enumerate(steps):
-        valid = T - j
-        if valid <= 0:
-            break
-        # Step j at base p proposes token p + j + 2: the target's distribution at p + j + 1.
-        mask = counted[:, j + 1 : j + 1 + valid]
-        taught = teacher[:, j + 1 : j + 1 + valid]
-        log_student = student[:, :valid].float().log_softmax(-1)
-        count = mask.sum().clamp(min=1)
-        losses.append((-(taught * log_student).sum(-1) * mask).sum() / count)
-        agreements.append(((taught.argmax(-1) == log_student.argmax(-1)) & mask).sum() / count)
-    return losses, agreements
+    return unrolled_losses(steps, teacher, T, counted)
 
 
 # -- the command ---------------------------------------------------------------------------

@@ -170,16 +170,31 @@ def draft_losses(target: Llama, draft: EagleDraft, windows: torch.Tensor, ttt_st
         target_logits, features = target.forward_uncached(windows)
     T = windows.shape[1] - 1
     steps_logits = draft.forward_unrolled(windows[:, 1 : T + 1], features[:, :T], ttt_steps)
+    return unrolled_losses(steps_logits, target_logits.float().softmax(-1), T)
+
+
+def unrolled_losses(steps, teacher: torch.Tensor, T: int, counted: torch.Tensor | None = None):
+    """Per unrolled step of the draft (``steps``: its logits at each base position): the
+    soft cross-entropy against the target's distribution ``teacher`` and the top-1
+    agreement with it, averaged over the positions, or over those ``counted`` marks."""
     losses, agreements = [], []
-    for j, logits in enumerate(steps_logits):
-        # Step j at base p proposes token p + j + 2: the target's distribution at p + j + 1.
+    for j, student in enumerate(steps):
         valid = T - j
         if valid <= 0:
             break
-        teacher = target_logits[:, j + 1 : j + 1 + valid].float()
-        student = logits[:, :valid].float()
-        losses.append(-(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1).mean())
-        agreements.append((teacher.argmax(-1) == student.argmax(-1)).float().mean())
+        # Step j at base p proposes token p + j + 2: the target's distribution at p + j + 1.
+        taught = teacher[:, j + 1 : j + 1 + valid]
+        log_student = student[:, :valid].float().log_softmax(-1)
+        entropy = -(taught * log_student).sum(-1)
+        agree = taught.argmax(-1) == log_student.argmax(-1)
+        if counted is None:
+            losses.append(entropy.mean())
+            agreements.append(agree.float().mean())
+        else:
+            mask = counted[:, j + 1 : j + 1 + valid]
+            count = mask.sum().clamp(min=1)
+            losses.append((entropy * mask).sum() / count)
+            agreements.append((agree & mask).sum() / count)
     return losses, agreements
 
 
