@@ -316,7 +316,7 @@ def _shard_mask_tables(plan, inputs, owners, layout: KVLayout, home) -> list[str
 
 
 def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interleave, verify_tokens, tree,
-                     tree_slots=0) -> bool:
+                     tree_slots=0, page_size=0) -> bool:
     """Refuse ``prepare``'s arguments before any rank exchanges anything or the model is
     touched; returns whether the role's caches are laid out as shards (over the group, or
     as one rank's shard for a tree target)."""
@@ -336,7 +336,9 @@ def _check_arguments(group: DCPGroup, role: str, max_batch, max_seq_len, interle
         raise ValueError(
             f"tree_slots gives a draft's cache room for a tree's drafted nodes ((k - 1) * topk): a non-negative int "
             f"for role='draft', got tree_slots={tree_slots!r} for role={role!r}")
-    sharded = role == "target" and (group.size > 1 or tree)
+    if page_size and role != "target":
+        raise ValueError(f"page_size pages a target's caches; the {role}'s cache stays whole, in rows")
+    sharded = role == "target" and (group.size > 1 or tree or bool(page_size))
     if sharded and group.size * interleave > max_seq_len:
         raise ValueError(
             f"DCP size {group.size} (x interleave {interleave}) is larger than max_seq_len={max_seq_len}: some "
@@ -360,6 +362,20 @@ def _find_caches(model: nn.Module, gm, sharded: bool) -> Plan:
             f"dcp-compile shards static KV caches; see dcp_compile/models/llama.py for the expected form"
         )
     return plan
+
+
+def _refuse_sites(model: nn.Module, plan: Plan, tree: bool, page_size: int) -> None:
+    """Attention sites the asked-for layout cannot serve, refused before any cache is replaced."""
+    if page_size and any(site.expanded is not None for site in plan.sites):
+        raise GraphPatternError(
+            f"{type(model).__name__} computes its keys and values from the cache (a slot-wise map, such as "
+            f"transformers' DeepSeek projecting its cached latent), so its prefix reads the cache itself, which "
+            f"page_size leaves without memory; page_size pages caches that attention reads as they are stored. "
+            f"Prepare this model without page_size")
+    if tree and any(site.latent is not None for site in plan.sites):
+        raise GraphPatternError(
+            f"{type(model).__name__} attends through MLA's latent cache, whose window takes no tree mask yet: "
+            f"draft a chain (topk=1, draft_tokens=k) for this target")
 
 
 def prepare(
@@ -395,21 +411,15 @@ def prepare(
             even on a group of one their new tokens wait in staging slots for a commit:
             the caches are laid out as one rank's shard (owner slots, the trash slot,
             ``verify_tokens`` staging slots) whatever the group's size.
-        tree_slots: a draft's cache gets that many slots past ``max_seq_len``, where
-            the depths of a draft tree keep their nodes' keys and values for the later
-            depths to attend to (``TreeCall(draft, staged=True)``): ``(k - 1) * topk``.
-        page_size: a target's caches live in pages of this many slots a rank, in a pool
-            of ``kv_tokens`` tokens for the whole group (``runtime.paging``); the block
-            table is ``Prepared.paging.table``. 0: each row keeps its own slots.
-        kv_tokens: the pool's capacity in tokens over the group (with ``page_size``).
+        tree_slots: a draft's cache gets that many slots past ``max_seq_len``, where a draft
+            tree's depths keep their nodes for the later ones (``TreeCall(draft, staged=True)``).
+        page_size, kv_tokens: a target's caches in pages of ``page_size`` slots a rank, a
+            pool of ``kv_tokens`` over the group (``runtime.paging``; ``Prepared.paging``).
     """
-    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree, tree_slots)
-    if page_size and role != "target":
-        raise ValueError(f"page_size pages a target's caches; the {role}'s cache stays whole, in rows")
-    sharded = sharded or bool(page_size)
+    sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree, tree_slots,
+                               page_size)
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree,
                                            tree_slots, page_size, kv_tokens), role)
-
     home = _home_device(model)
     defaulted = example_inputs is None
     forward_args = tuple(default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
@@ -417,14 +427,11 @@ def prepare(
     plan = _find_caches(model, gm, sharded)
     if role == "target" and group.size > 1 and group.heads_split:
         check_peers_hold_the_same_kv(group, gm, plan, inputs, weights)
-    if tree and any(site.latent is not None for site in plan.sites):
-        raise GraphPatternError(
-            f"{type(model).__name__} attends through MLA's latent cache, whose window takes no tree mask yet: "
-            f"draft a chain (topk=1, draft_tokens=k) for this target")
+    _refuse_sites(model, plan, tree, page_size)
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
     paging = plan_paging(page_size, kv_tokens, layout, max_batch, home) if page_size else None
-    placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens if sharded else 0,
-                                     home, group.rank, tree_slots, paging)
+    placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens * sharded, home,
+                                     group.rank, tree_slots, paging)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     if sharded:
         _check_forward_with_shards(model, forward_args, placed, max_seq_len)

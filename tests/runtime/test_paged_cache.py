@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dcp_compile as dcp
+from dcp_compile.passes import GraphPatternError
 from dcp_compile.records import record_for
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 from tests.passes import graphs
@@ -117,3 +118,16 @@ def test_a_draft_or_a_bshd_cache_is_not_paged():
     with pytest.raises(ValueError, match=r"page_size pages \[batch, heads, seq, head_dim\] caches"):
         dcp.prepare(model, dcp.init_group("cpu"), "target", max_batch=graphs.B, max_seq_len=graphs.S, page_size=4,
                     kv_tokens=64, example_inputs=graphs.inputs_for(model, 1))
+
+
+def test_keys_computed_from_the_cache_are_refused_a_pool():
+    """transformers' DeepSeek projects its cached latent into keys (a slot-wise map over the
+    cache): its prefix would read the cache itself, which paging leaves without memory."""
+    pytest.importorskip("transformers")
+    from tests.hf.workers import agreeing_hf_pair
+
+    target, draft = agreeing_hf_pair(3.0, family="deepseek_v3")
+    with pytest.raises(GraphPatternError, match="computes its keys and values from the cache .* without page_size"):
+        dcp.SpecDecoder(target, draft, dcp.init_group("cpu"), k=3, max_batch=4, max_seq_len=96, lowering="aot_eager",
+                        page_size=4, kv_tokens=128)
+    assert all(record_for(b) is None for b in target.buffers()), "refused before any cache was replaced"
