@@ -44,6 +44,20 @@ def _add_tree_arguments(parser: argparse.ArgumentParser, k_default: int) -> None
     parser.add_argument("--draft-tokens", type=int, help=DRAFT_TOKENS_HELP)
 
 
+def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--page-size`` and ``--kv-tokens``: the target's KV in a paged pool (``SpecDecoder``)."""
+    parser.add_argument("--page-size", type=int, default=0, help="keep the target's KV in a pool of pages of this many "
+                        "slots a rank, requests admitted by the pages they need (default 0: rows)")
+    parser.add_argument("--kv-tokens", type=int, help="with --page-size: the pool's tokens over the DCP group "
+                        "(default: what the rows would hold, batch x cache length)")
+
+
+def _check_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.page_size < 0 or (args.kv_tokens is not None and (args.kv_tokens < 1 or not args.page_size)):
+        parser.error(f"--page-size must be >= 0, and --kv-tokens >= 1 with a --page-size; got --page-size "
+                     f"{args.page_size} and --kv-tokens {args.kv_tokens}")
+
+
 def _check_tree(parser: argparse.ArgumentParser, args: argparse.Namespace, drafted: bool) -> None:
     """``--topk`` and ``--draft-tokens`` against ``--k``, refused as usage errors (exit 2)
     before anything is built; unset, ``--topk`` is 1 (the chain) and ``--draft-tokens``
@@ -271,6 +285,7 @@ def _add_demo(sub) -> None:
     parallel.add_tp_argument(d)
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_tree_arguments(d, 4)
+    _add_pool_arguments(d)
     d.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (rejection sampling)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed, shared by every rank")
     d.add_argument("--max-new-tokens", type=int, default=160)
@@ -301,6 +316,7 @@ def _add_gate(sub) -> None:
     g.add_argument("--batch", type=int, default=16, help="prompts per decoder batch")
     g.add_argument("--max-new-tokens", type=int, default=128)
     _add_tree_arguments(g, 4)
+    _add_pool_arguments(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
@@ -398,6 +414,7 @@ def _check_gate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--dcp, --k, --prompts, --prompt-bytes, --batch, --max-new-tokens and --chunk-size must be >= 1")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    _check_pool(parser, args)
     args.lowering = args.lowering or ("inductor" if args.device == "cuda" else "aot_eager")
 
 
@@ -411,6 +428,7 @@ def _check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.prompt and any(not p for p in args.prompt):
         parser.error("--prompt must not be empty")
+    _check_pool(parser, args)
     args.lowering = args.lowering or ("inductor" if args.device == "cuda" else "aot_eager")
 
 

@@ -46,6 +46,7 @@ def test_demo_spawns_two_ranks_and_reports_parity():
         (("--temperature", "-1"), "--temperature must be >= 0"),
         (("--prompt", ""), "--prompt must not be empty"),
         (("--chunk-size", "0"), "--chunk-size must be >= 1, got 0"),
+        (("--kv-tokens", "64"), "--kv-tokens >= 1 with a --page-size; got --page-size 0 and --kv-tokens 64"),
     ],
 )
 def test_demo_rejects_bad_flags(flags, message, capsys):
@@ -152,7 +153,8 @@ def test_a_checkpoint_whose_config_is_not_a_pair_is_a_usage_error(tmp_path, caps
 def test_demo_runs_as_one_rank_under_torchrun_and_only_rank_0_talks():
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "dcp_compile.cli", "demo", "--max-new-tokens", "8", "--k", "2", "--prompt", "def f(x):\n"],
+         "-m", "dcp_compile.cli", "demo", "--max-new-tokens", "8", "--k", "2", "--prompt", "def f(x):\n",
+         "--page-size", "4", "--kv-tokens", "48"],  # both arms' targets paged
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
