@@ -84,6 +84,9 @@ def test_a_request_larger_than_the_pool_is_refused_with_both_numbers(decoders):
     while engine.has_work():
         out.update(engine.step())
     assert out[rid].finished_by == "length"
+    refused, served = dcp.generate_all(decoders[1], [[1] * 30, PROMPTS[1]], 40)
+    assert refused.finished_by == "refused" and "more than the whole pool's 72" in refused.error
+    assert served.finished_by == "length" and len(served.tokens) == 40
 
 
 def test_paged_memory_is_the_pool_not_the_rows():
