@@ -120,9 +120,8 @@ def page_caches(gm: GraphModule, plan: Plan, *, paged: dict[int, PagedKV]) -> Gr
                 views[user] = index
             else:
                 raise GraphPatternError(
-                    f"{where(user)} computes from the paged KV cache {placeholders[index].name} itself (keys and values "
-                    f"made from the cache, such as transformers' DeepSeek projecting its cached latent); page_size pages "
-                    f"caches that attention reads as they are stored. Prepare this model without page_size")
+                    f"{where(user)} computes from the paged KV cache {placeholders[index].name} itself; page_size "
+                    f"pages caches that attention reads as they are stored. Prepare this model without page_size")
     pools = {view: pool_of[index] for view, index in views.items()}
     for view, index in views.items():
         _page_reads(graph, view, pools, rows_of[index], table, paged[index].rows_capacity)

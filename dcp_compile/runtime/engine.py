@@ -158,7 +158,8 @@ class SpecEngine:
     def limits(self) -> RequestLimits:
         """What every request is checked against, as plain data (``dcp-compile serve``'s
         HTTP process checks requests with it, away from the engine)."""
-        return RequestLimits(vocab=self.vocab, max_seq_len=self.max_seq_len, k=self.k, temperature=self.decoder.temperature,
+        return RequestLimits(vocab=self.vocab, max_seq_len=self.max_seq_len, k=self.k,
+                             temperature=self.decoder.temperature,
                              pool_tokens=self.pages.capacity_tokens if self.pages else 0)
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], float]:

@@ -430,8 +430,8 @@ def prepare(
     _refuse_sites(model, plan, tree, page_size)
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
     paging = plan_paging(page_size, kv_tokens, layout, max_batch, home) if page_size else None
-    placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens * sharded, home,
-                                     group.rank, tree_slots, paging)
+    placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens * sharded,
+                                     home, group.rank, tree_slots, paging)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []
     if sharded:
         _check_forward_with_shards(model, forward_args, placed, max_seq_len)

@@ -83,10 +83,10 @@ class SpecGraphs:
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
                  comm: str, cuda_graphs: bool, tree: TreeShape | None = None, kernels: str = "inline",
                  page_size: int = 0, kv_tokens: int = 0):
-        device = group.device
-        verify_tokens = k + 1 if tree is None else tree.verify_tokens
-        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len, tree=tree is not None,
-                              verify_tokens=verify_tokens, page_size=page_size, kv_tokens=kv_tokens).paging
+        device, verify_tokens = group.device, k + 1 if tree is None else tree.verify_tokens
+        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
+                              tree=tree is not None, verify_tokens=verify_tokens, page_size=page_size,
+                              kv_tokens=kv_tokens).paging
         if draft is not None:
             draft_example = (
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
