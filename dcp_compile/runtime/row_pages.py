@@ -50,8 +50,16 @@ class RowPages:
         if self.blocks.admit(row, prompt, tokens) is None:
             raise RuntimeError(f"row {row} was planned {self.pages_for(tokens)} pages but the pool has "
                                f"{self.available}: the ranks' plans and pools disagree")
-        self.paging.table.copy_(self.blocks.table)
+        self._publish_table()
 
     def release(self, row: int) -> None:
         self.blocks.release(row)
-        self.paging.table.copy_(self.blocks.table)
+        self._publish_table()
+
+    def _publish_table(self) -> None:
+        """The host's table into the graphs' one, queued behind the step in flight: a copy from
+        pageable memory would first wait for the stream, and so for that step."""
+        if self.paging.table.is_cuda:
+            self.paging.table.copy_(self.blocks.table.pin_memory(), non_blocking=True)
+        else:
+            self.paging.table.copy_(self.blocks.table)
