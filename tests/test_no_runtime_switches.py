@@ -16,7 +16,7 @@ import dcp_compile
 PACKAGE = Path(dcp_compile.__file__).parent
 # The prepare-time registries (one record per KV cache buffer, one name per causal-mask
 # table prepare checked), read only at compile time.
-ALLOWED_MODULE_STATE = {("records.py", "_records"), ("records.py", "_tables")}
+ALLOWED_MODULE_STATE = {("records.py", "_records"), ("records.py", "_tables"), ("records.py", "_paged")}
 
 
 def sources():
@@ -65,11 +65,12 @@ def test_module_level_mutable_state_is_only_the_prepare_time_registries():
     assert found == ALLOWED_MODULE_STATE
 
 
-REGISTRY_WRITERS = ("register", "register_table")
+REGISTRY_WRITERS = ("register", "register_table", "register_paged")
 # dcp_compile/hf/cache.py's DCPStaticCache is prepare for caches HF keeps outside modules: it
 # registers them once, when it allocates them.
 PREPARE_TIME = {
     ("runtime/prepare.py", "_place_caches"), ("runtime/prepare.py", "_shard_mask_tables"), ("hf/cache.py", "DCPStaticCache.__init__"),
+    ("runtime/prepare.py", "_place_paged"),
 }
 
 

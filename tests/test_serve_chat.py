@@ -40,6 +40,7 @@ class ScriptedEngine:
         self.script, self.vocab, self.stop_ids, self.per_step = script, vocab, stop_ids, per_step
         self.step_seconds = step_seconds
         self.max_seq_len, self.k = max_seq_len, k
+        self.pages = None  # rows of max_seq_len, no pool
         self.decoder = SimpleNamespace(temperature=0.0, graph_runners=[])
         self.requests: dict[int, dict] = {}
         self.waiting: list = []

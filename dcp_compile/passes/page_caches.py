@@ -22,6 +22,8 @@ Never: changes a value written or read, or the slots a token's key and value lan
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -32,10 +34,10 @@ from dcp_compile.passes.fx_utils import GraphPatternError, where
 from dcp_compile.passes.kv_index import WriteIndex, positions_node
 from dcp_compile.records import PagedKV
 
-PAGED_FORMS = {
+PAGED_FORMS = MappingProxyType({
     torch.ops.dcp.prefix_attention.default: torch.ops.dcp.paged_prefix_attention.default,
     torch.ops.dcp.latent_prefix_attention.default: torch.ops.dcp.paged_latent_prefix_attention.default,
-}
+})
 """Each prefix op over a cache, and its form over pools and a block table."""
 
 
