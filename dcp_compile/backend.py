@@ -182,9 +182,10 @@ class Backend:
         tag = f"{self.role}_r{self.group.rank}_g{len(self.compiled)}"
         paged = _paged_caches(plan, example_inputs)
         passes = self._passes(plan, records, marks, paged_cascade=bool(paged))
+        extras = extra_inputs(paged) if paged else []
         if paged:
             passes.append(functools.partial(page_caches, paged=paged))
-            example_inputs = [*example_inputs, *extra_inputs(paged)]
+            example_inputs = [*example_inputs, *extras]
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         analysis = time.perf_counter() - started
@@ -195,7 +196,7 @@ class Backend:
         compiled = self._lower(gm, example_inputs)
         record.lowering_seconds = time.perf_counter() - started
         if paged:
-            compiled = _with_inputs(compiled, extra_inputs(paged))
+            compiled = _with_inputs(compiled, extras)
         return self._guard_positions(compiled, plan, records)
 
     def compile_seconds(self) -> dict[str, float]:

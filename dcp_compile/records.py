@@ -92,10 +92,6 @@ class PagedKV:
     rows_capacity: int
     """``S_loc``: the owner slots a row may hold; local slot ``S_loc + j`` is ``rows[:, :, j]``."""
 
-    @property
-    def page_size(self) -> int:
-        return int(self.pool.shape[2])
-
 
 _paged: WeakIdKeyDictionary = WeakIdKeyDictionary()
 

@@ -27,11 +27,13 @@ from types import MappingProxyType
 import torch
 from torch.fx import GraphModule, Node
 
-from dcp_compile.ops.cascade import cache_BHSD, staging_slots, window_kv, window_positions
+from dcp_compile.ops.cascade import cache_BHSD, staging_slots, window_positions
 from dcp_compile.ops.paged import store_in_pages
 from dcp_compile.passes.find import Plan
+from dcp_compile.passes.plan import KVWrite
 from dcp_compile.passes.fx_utils import GraphPatternError, where
-from dcp_compile.passes.kv_index import WriteIndex, positions_node
+from dcp_compile.passes.kv_index import positions_node
+from dcp_compile.passes.shard_attention import new_tokens
 from dcp_compile.records import PagedKV
 
 PAGED_FORMS = MappingProxyType({
@@ -39,12 +41,6 @@ PAGED_FORMS = MappingProxyType({
     torch.ops.dcp.latent_prefix_attention.default: torch.ops.dcp.paged_latent_prefix_attention.default,
 })
 """Each prefix op over a cache, and its form over pools and a block table."""
-
-
-def _value_node(write: Node) -> Node:
-    if write.target == "index_copy_" or getattr(write.target, "__name__", "") == "index_copy_":
-        return write.args[3] if len(write.args) > 3 else write.kwargs["source"]
-    return write.args[2] if len(write.args) > 2 else write.kwargs["values"]
 
 
 def _add_inputs(gm: GraphModule, tensors: dict[str, torch.Tensor]) -> list[Node]:
@@ -59,21 +55,19 @@ def _add_inputs(gm: GraphModule, tensors: dict[str, torch.Tensor]) -> list[Node]
     return added
 
 
-def _page_write(graph, write: Node, index: WriteIndex, cache: Node, pool: Node, rows: Node, table: Node,
-                capacity: int) -> None:
-    slots = positions_node(write, index)
+def _page_write(graph, write: KVWrite, pool: Node, rows: Node, table: Node, capacity: int) -> None:
+    slots = positions_node(write.node, write.index)
     if isinstance(slots, Node) and slots.target is staging_slots:
         # A verify graph's staging write: same write, into the per-row buffer.
         slots.update_kwarg("first_slot", slots.kwargs["first_slot"] - capacity)
-        write.replace_input_with(cache, rows)
+        write.node.replace_input_with(write.cache.node, rows)
         return
-    with graph.inserting_before(write):
+    with graph.inserting_before(write.node):
         slots_BT = graph.call_function(window_positions, (slots,), dict(
-            shape=index.position_shape, tags=index.position_tags, batch=index.batch))
-        values = graph.call_function(window_kv, (_value_node(write),), dict(
-            shape=index.value_shape, tags=index.value_tags, batch=index.batch, dtype=index.cache_dtype))
+            shape=write.index.position_shape, tags=write.index.position_tags, batch=write.index.batch))
+        values = new_tokens(graph, write, write.index.batch)
         graph.call_function(store_in_pages, (pool, table, slots_BT, values), dict(capacity=capacity))
-    graph.erase_node(write)
+    graph.erase_node(write.node)
 
 
 def _page_reads(graph, view: Node, pools: dict[Node, Node], rows: Node, table: Node, capacity: int) -> None:
@@ -115,7 +109,7 @@ def page_caches(gm: GraphModule, plan: Plan, *, paged: dict[int, PagedKV]) -> Gr
     for write in plan.writes:
         index = placeholders.index(write.cache.node)
         capacity = paged[index].rows_capacity
-        _page_write(graph, write.node, write.index, write.cache.node, pool_of[index], rows_of[index], table, capacity)
+        _page_write(graph, write, pool_of[index], rows_of[index], table, capacity)
     for index in paged:
         for user in list(placeholders[index].users):
             if user.target is cache_BHSD:

@@ -99,7 +99,7 @@ def _keys_transposed(expanded: ExpandedKV) -> bool:
     return expanded.map.axes[expanded.keys].slot == 3
 
 
-def _new_tokens(graph, write: KVWrite, batch: int):
+def new_tokens(graph, write: KVWrite, batch: int):
     """The new K/V a write stores, as ``[B, H, T, D]`` (the window's keys or values)."""
     return graph.call_function(
         window_kv,
@@ -124,7 +124,7 @@ def _site_operands(graph, site: AttentionSite):
         # rank's slots; the window replays that map on the new tokens.
         window_inputs = {
             w.cache.node: graph.call_function(
-                BHSD_as_cache, (_new_tokens(graph, w, batch),),
+                BHSD_as_cache, (new_tokens(graph, w, batch),),
                 dict(seq_dim=w.cache.seq_dim, ndim=len(shape_of(w.cache.node))))
             for w in expanded.writes
         }
@@ -136,13 +136,13 @@ def _site_operands(graph, site: AttentionSite):
         caches = [keys_BHSD(expanded.keys), expanded.values]
         return site.query, caches, [keys_BHSD(replayed[expanded.keys]), replayed[expanded.values]]
     if latent is None:
-        new_kv = [_new_tokens(graph, w, batch) for w in (k_write, v_write)]
+        new_kv = [new_tokens(graph, w, batch) for w in (k_write, v_write)]
         return site.query, [_cache_view(graph, w) for w in (k_write, v_write)], new_kv
     # MLA: one key head [latent | rope key], the latent as the values.
     query = site.query if latent.rope_query is None else graph.call_function(
         latent_query, (site.query, latent.rope_query), dict(perm=latent.query_perm))
     # The prefix and the window read the latent and the rope key where they lie.
-    new_kv = [_new_tokens(graph, k_write, batch), _new_tokens(graph, latent.rope_write, batch)]
+    new_kv = [new_tokens(graph, k_write, batch), new_tokens(graph, latent.rope_write, batch)]
     return query, [_cache_view(graph, k_write), _cache_view(graph, latent.rope_write)], new_kv
 
 

@@ -36,10 +36,6 @@ class Paging:
     def page_size(self) -> int:
         return self.shape.page_size
 
-    @property
-    def null_page(self) -> int:
-        return self.shape.pages
-
 
 def plan_paging(page_size: int, kv_tokens: int, layout: KVLayout, max_batch: int, device) -> Paging:
     """Refuse a page size or capacity that cannot work for ``layout``, else the pool's
@@ -56,23 +52,29 @@ def plan_paging(page_size: int, kv_tokens: int, layout: KVLayout, max_batch: int
     return Paging(shape, table)
 
 
-def paged_buffers(shape: list[int], seq_dim: int, dtype: torch.dtype, device, paging: Paging, capacity: int,
-                  name: str) -> tuple[torch.Tensor, PagedKV]:
-    """The stand-in buffer of local ``shape`` and the pages behind it, for one cache: a
-    ``[B, H, S, D]`` cache's pool is ``[pages + 1, H, P, D]``, an MLA ``[B, S, C]`` one's
-    ``[pages + 1, 1, P, C]`` (the latent kernels' one head)."""
+def paged_shapes(shape: list[int], seq_dim: int, paging: Paging, capacity: int, name: str) -> tuple[list, list]:
+    """``(pool, rows)`` shapes for one cache of local ``shape``: a ``[B, H, S, D]`` cache's
+    pool is ``[pages + 1, H, P, D]``, an MLA ``[B, S, C]`` one's ``[pages + 1, 1, P, C]``
+    (the latent kernels' one head); its rows keep the slots from ``capacity`` on."""
     if (len(shape), seq_dim) not in ((4, 2), (3, 1)):
         raise ValueError(
             f"KV cache {name} has shape {tuple(shape)} with its sequence on axis {seq_dim}; page_size pages "
             f"[batch, heads, seq, head_dim] caches (sequence on axis 2) and MLA's [batch, seq, width] ones. "
             f"Prepare this model without page_size")
     heads = shape[1] if len(shape) == 4 else 1
+    rows = list(shape)
+    rows[seq_dim] = shape[seq_dim] - capacity
+    return [paging.shape.pages + 1, heads, paging.page_size, shape[-1]], rows
+
+
+def paged_buffers(shape: list[int], seq_dim: int, dtype: torch.dtype, device, paging: Paging, capacity: int,
+                  name: str) -> tuple[torch.Tensor, PagedKV]:
+    """The stand-in buffer of local ``shape`` and the pages behind it, for one cache."""
+    pool_shape, rows_shape = paged_shapes(shape, seq_dim, paging, capacity, name)
     unit = list(shape)
     unit[seq_dim] = 1
     stand_in = torch.zeros(unit, dtype=dtype, device=device).expand(shape)
-    pool = torch.zeros((paging.shape.pages + 1, heads, paging.page_size, shape[-1]), dtype=dtype, device=device)
-    rows_shape = list(shape)
-    rows_shape[seq_dim] = shape[seq_dim] - capacity
+    pool = torch.zeros(pool_shape, dtype=dtype, device=device)
     rows = torch.zeros(rows_shape, dtype=dtype, device=device)
     return stand_in, PagedKV(pool, rows, paging.table, capacity)
 

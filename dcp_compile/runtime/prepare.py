@@ -37,7 +37,7 @@ from dcp_compile.passes.find import Plan, find
 from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_paged, register_table
 from dcp_compile.runtime.discovery import default_example_inputs, discover, replace_tensor
-from dcp_compile.runtime.paging import Paging, paged_buffers, paged_bytes, plan_paging
+from dcp_compile.runtime.paging import Paging, paged_buffers, paged_bytes, paged_shapes, plan_paging
 from dcp_compile.runtime.peers import check_peers_hold_the_same_kv
 
 
@@ -273,10 +273,13 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
 
 def _place_paged(placed: list, pending: list, paging: Paging, home, layout: KVLayout, rank: int) -> tuple[list, int]:
     """Each cache as a stand-in of its local shape, its slots in pages (``runtime.paging``)."""
-    made = [paged_buffers(shape, record.seq_dim, dtype, home, paging, layout.local_capacity, record.name)
-            for (module, attr, shape, dtype), (_, _, record) in zip(pending, placed)]
-    sizes = [(None, None, (paged_bytes(paged),), torch.uint8) for _, paged in made]
-    _check_free_memory(home, sizes, rank)
+    capacity, allocations = layout.local_capacity, []
+    for (_, _, shape, dtype), (_, _, record) in zip(pending, placed):  # refused before anything is allocated
+        for allocated in paged_shapes(shape, record.seq_dim, paging, capacity, record.name):
+            allocations.append((None, None, allocated, dtype))
+    _check_free_memory(home, allocations, rank)
+    made = [paged_buffers(shape, record.seq_dim, dtype, home, paging, capacity, record.name)
+            for (_, _, shape, dtype), (_, _, record) in zip(pending, placed)]
     for (module, attr, record), (stand_in, paged) in zip(placed, made):
         replace_tensor(module, attr, stand_in)
         register(stand_in, record)

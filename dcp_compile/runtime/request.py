@@ -19,6 +19,11 @@ class SamplingParams:
     """Ends this request, as the engine's ``stop_ids`` end every request."""
 
 
+def kv_need(prompt_tokens: int, max_new_tokens: int, k: int) -> int:
+    """KV positions a request may fill: its prompt, its new tokens and a verify window."""
+    return prompt_tokens + max_new_tokens + k + 1
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What a request is checked against (``SpecEngine.check_request``): plain data, so a
@@ -47,7 +52,7 @@ class RequestLimits:
         n = params.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
-        need = len(tokens) + n + self.k + 1
+        need = kv_need(len(tokens), n, self.k)
         if need > self.max_seq_len:
             raise ValueError(
                 f"prompt of {len(tokens)} tokens + max_new_tokens {n} + verify window {self.k + 1} needs {need} cache "

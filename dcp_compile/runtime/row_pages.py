@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dcp_compile.runtime.block_tables import BlockTables
 from dcp_compile.runtime.paging import Paging
 from dcp_compile.runtime.pool import PagePool
+from dcp_compile.runtime.request import kv_need
 
 
 def need_tokens(request, k: int) -> int:
-    """KV positions a request may fill: its prompt, its new tokens and a verify window."""
-    return len(request.prompt) + request.params.max_new_tokens + k + 1
+    """KV positions ``request`` may fill (``RequestLimits.check``'s need)."""
+    return kv_need(len(request.prompt), request.params.max_new_tokens, k)
 
 
 class RowPages:
