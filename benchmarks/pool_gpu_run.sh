@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One GPU, one device call: the paged prefix kernels' GPU tests, the paged flash kernel on a
+# prefill chunk, and the paged target's decode and verify step against the cascade over rows.
+# The capacity run (bench_pool_capacity.py) takes a call of its own.  Logs and JSON go to $OUT.
+#   bash benchmarks/pool_gpu_run.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$OUT/env.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_paged_prefix.py > "$OUT/pytest_gpu.log" 2>&1
+echo "paged gpu tests exit $?"; tail -n 2 "$OUT/pytest_gpu.log"
+timeout 120 python3 benchmarks/bench_paged_tiles.py --flash-tokens 2048 --points 32:8:2:32768 16:1:8:32768 \
+  --out "$OUT/paged_flash.json" > "$OUT/paged_flash.log" 2>&1
+echo "paged flash exit $?"; tail -n 6 "$OUT/paged_flash.log"
+(cd benchmarks && timeout 280 python3 bench_paged_step.py --arms cascade paged --out "$OUT/paged_step.json") > "$OUT/paged_step.log" 2>&1
+echo "paged step exit $?"; tail -n 12 "$OUT/paged_step.log"
