@@ -65,13 +65,14 @@ class BlockTables:
                     f"{self.pages_per_row * self.page_tokens} (max_seq_len): ask for fewer tokens")
         return None
 
-    def admit(self, row: int, prompt: Sequence[int], tokens: int) -> Admission | None:
+    def admit(self, row: int, prompt: Sequence[int], tokens: int, granularity: int = 1) -> Admission | None:
         """Give free ``row`` the pages for its first ``tokens`` positions (the prompt and the
-        next step), reusing the cached pages of ``prompt``'s longest indexed prefix; ``None``,
-        with nothing taken, if the pool lacks the pages now."""
+        next step), reusing the cached pages of ``prompt``'s longest indexed prefix (a
+        multiple of ``granularity`` pages); ``None``, with nothing taken, if the pool lacks
+        the pages now."""
         if self._pages[row]:
             raise ValueError(f"row {row} still holds {len(self._pages[row])} pages: release it first")
-        cached = self.pool.match(prompt)
+        cached = self.pool.match(prompt, granularity)
         fresh = self.pool.allocate(max(0, self.pool.shape.pages_for(tokens) - len(cached)))
         if fresh is None:
             self.pool.release(cached)
@@ -96,9 +97,9 @@ class BlockTables:
         self._set(row, self._pages[row] + fresh)
         return True
 
-    def publish(self, row: int, prompt: Sequence[int]) -> int:
+    def publish(self, row: int, prompt: Sequence[int]) -> list[int]:
         """Index the whole pages of ``prompt``, whose keys and values ``row`` now holds, for
-        later requests; returns how many pages were indexed."""
+        later requests; returns the row's logical pages that were indexed."""
         return self.pool.publish(prompt, self._pages[row])
 
     def release(self, row: int) -> None:

@@ -19,7 +19,6 @@ Every rank must take the same decisions.  Two ways to arrange it:
 
 from __future__ import annotations
 
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_compile.runtime.generate import tokens_prefilled
+from dcp_compile.runtime.leader_plan import Plan, broadcast_plan
 from dcp_compile.runtime.request import RequestLimits, RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
 from dcp_compile.runtime.spec import SpecDecoder
 from dcp_compile.runtime.row_pages import RowPages, need_tokens
@@ -53,28 +53,8 @@ class _InFlight:
     ``began``, the device waited for the host."""
 
 
-@dataclass
-class _Plan:
-    """One step's decisions: rank 0's, broadcast to the others in leader mode."""
-
-    stop: bool = False
-    aborts: list[int] = field(default_factory=list)
-    """Rows whose request is aborted."""
-    admits: list[_Request] = field(default_factory=list)
-    """Requests admitted, each with its ``row`` set."""
-
-
 LONG_WAIT_SECONDS = 100e-6
 """A gap between two steps queued back to back past which the stats count it as a pause."""
-_FIELDS = 9  # per row: admit, id, prompt length, max_new_tokens, temperature bits, has seed, seed, eos, abort
-
-
-def _float_bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def _bits_float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _check_options(decoder: SpecDecoder, prefill_chunks_per_step: int | None, stop_ids) -> None:
@@ -97,7 +77,7 @@ class SpecEngine:
     """
 
     def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1,
-                 stop_ids: frozenset[int] = frozenset()):
+                 stop_ids: frozenset[int] = frozenset(), prefix_caching: bool = True):
         _check_options(decoder, prefill_chunks_per_step, stop_ids)
         self.stop_ids = frozenset(stop_ids)
         """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
@@ -118,7 +98,9 @@ class SpecEngine:
         # the step in flight, and every rank's host would wait for it before the next launch.
         self.control = dist.new_group(backend="gloo") if self.leader else None
         self.B, self.k, self.max_seq_len = decoder.max_batch, decoder.k, decoder.max_seq_len
-        self.pages = RowPages(decoder.paging, self.B, self.max_seq_len) if decoder.paging is not None else None
+        self.pages = None if decoder.paging is None else RowPages(
+            decoder.paging, self.B, self.max_seq_len, chunk_size=decoder.chunk_size, prefix_caching=prefix_caching,
+            draft=decoder.draft)
         self.vocab = decoder.target.vocab_size
         # The decoder's own: its captured steps hold these generators.
         self.noise = decoder.noise
@@ -137,7 +119,7 @@ class SpecEngine:
         it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
                           step_seconds=0.0, device_step_seconds=0.0, device_wait_seconds=0.0, device_waits=0,
-                          device_long_waits=0, device_long_wait_seconds=0.0)
+                          device_long_waits=0, device_long_wait_seconds=0.0, prefix_hit_tokens=0)
         """``step_seconds``: host time in ``step``.  On a GPU, ``device_step_seconds``: the
         steps' time on the device; ``device_wait_seconds``: time the device sat idle between
         two steps queued back to back (``device_waits`` such gaps), waiting for the host to
@@ -207,8 +189,8 @@ class SpecEngine:
 
     # ---- the step
 
-    def _plan(self) -> _Plan:
-        plan = _Plan(aborts=sorted(self.requests[i].row for i in self.pending_aborts))
+    def _plan(self) -> Plan:
+        plan = Plan(aborts=sorted(self.requests[i].row for i in self.pending_aborts))
         self.pending_aborts.clear()
         free = [row for row in range(self.B) if self.rows[row] is None or row in plan.aborts]
         budget = self.pages.available if self.pages else 0  # pages; the aborted rows' come back next step
@@ -222,44 +204,10 @@ class SpecEngine:
             plan.admits.append(request)
         return plan
 
-    def _broadcast(self, plan: _Plan | None) -> _Plan:
-        header = torch.zeros(2 + self.B * _FIELDS, dtype=torch.long)
-        prompt_tokens = []
-        if plan is not None:
-            header[0] = int(plan.stop)
-            table = header[2:].view(self.B, _FIELDS)
-            for request in plan.admits:
-                p = request.params
-                table[request.row, :8] = torch.tensor([
-                    1, request.id, len(request.prompt), p.max_new_tokens, _float_bits(request.temperature),
-                    int(p.seed is not None), p.seed or 0, -1 if p.eos_id is None else p.eos_id])
-                prompt_tokens += request.prompt
-            for row in plan.aborts:
-                table[row, 8] = 1
-            header[1] = len(prompt_tokens)
-        pg = self.control
-        self._wait(dist.broadcast(header, src=0, group=pg, async_op=True))
-        if plan is not None:
-            if prompt_tokens:
-                self._wait(dist.broadcast(torch.tensor(prompt_tokens), src=0, group=pg, async_op=True))
-            return plan
-        header = header.tolist()
-        plan = _Plan(stop=bool(header[0]))
-        tokens = torch.empty(header[1], dtype=torch.long)
-        if header[1]:
-            self._wait(dist.broadcast(tokens, src=0, group=pg, async_op=True))
-        tokens = tokens.tolist()
-        for row in range(self.B):
-            admit, rid, length, max_new, temperature, has_seed, seed, eos, abort = header[2 + row * _FIELDS:][:_FIELDS]
-            if abort:
-                plan.aborts.append(row)
-            if admit:
-                params = SamplingParams(max_new_tokens=max_new, temperature=_bits_float(temperature),
-                                        seed=seed if has_seed else None, eos_id=None if eos < 0 else eos)
-                request = _Request(rid, tokens[:length], params, params.temperature, row=row)
-                tokens = tokens[length:]
-                self.requests[rid] = request
-                plan.admits.append(request)
+    def _broadcast(self, plan: Plan | None) -> Plan:
+        plan = broadcast_plan(plan, self.B, self.control, self._wait)
+        if not self.is_leader:
+            self.requests.update((request.id, request) for request in plan.admits)
         return plan
 
     def _wait(self, work) -> None:
@@ -327,7 +275,9 @@ class SpecEngine:
             stop_rows(self.state, plan.aborts)
         for request in plan.admits:
             if self.pages:
-                self.pages.admit(request.row, request.prompt, need_tokens(request, self.k))
+                request.cached_tokens = request.fed = self.pages.admit(request.row, request.prompt,
+                                                                        need_tokens(request, self.k))
+                self.stats["prefix_hit_tokens"] += request.cached_tokens
             self.rows[request.row] = request
             self.noise.seed_row(request.row, request.params.seed)
         self.stats["admitted"] += len(plan.admits)
@@ -367,12 +317,15 @@ class SpecEngine:
                                             self.prefill_chunks_per_step)
             if request.decoding:
                 done.append(request)
+                if self.pages:
+                    self.pages.prefilled(request.row, request.prompt)
         if not done:
             return
         first = self.state.current.tolist()
         started = []
         for request in done:
             event = events.setdefault(request.id, StepEvent())
+            event.cached_tokens = request.cached_tokens
             self._emit(request, [first[request.row]], event)
             if event.finished_by:
                 self._finish(request)
@@ -459,7 +412,7 @@ class SpecEngine:
     def shutdown(self) -> None:
         """Rank 0 in leader mode: end the followers' loops (call with no request running)."""
         if self.leader and self.is_leader and not self.stopped:
-            self._broadcast(_Plan(stop=True))
+            self._broadcast(Plan(stop=True))
         self.stopped = True
 
 
@@ -493,6 +446,8 @@ def generate_all(
             i = ids[request_id]
             outputs[i].tokens += event.tokens
             outputs[i].accepted += event.accepted
+            if event.cached_tokens is not None:
+                outputs[i].cached_tokens = event.cached_tokens
             if event.tokens and on_tokens is not None:
                 on_tokens(i, event.tokens)
             if event.finished_by:

@@ -56,12 +56,16 @@ class PoolShape:
 
 
 def prefix_keys(tokens: Sequence[int], page_tokens: int) -> list[bytes]:
-    """One key per whole page of ``tokens``: a digest of the page's tokens and the key of
-    the page before it, so a key names the whole prefix up to the page's end."""
+    """One key per whole page of ``tokens`` that another token follows: a digest of the
+    page's tokens, the token after them and the key of the page before, so a key names
+    the whole prefix up to the page's end and the token that comes next.  That token is in
+    the key because an EAGLE draft's keys at a position read the token one ahead: the
+    draft's keys at a page's last position are only right for the token that follows."""
     keys, previous = [], b""
-    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+    for start in range(0, len(tokens) - page_tokens, page_tokens):
         digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start:start + page_tokens]))
+        digest.update(b"".join(int(t).to_bytes(8, "little", signed=True)
+                               for t in tokens[start:start + page_tokens + 1]))
         previous = digest.digest()
         keys.append(previous)
     return keys
@@ -120,30 +124,32 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """The cached pages of the longest indexed prefix of ``tokens`` (whole pages only,
-        and never the page holding the last token, whose logits the request must compute),
-        each taken with one more reference."""
+    def match(self, tokens: Sequence[int], granularity: int = 1) -> list[int]:
+        """The cached pages of the longest indexed prefix of ``tokens``, cut to a multiple of
+        ``granularity`` pages, each taken with one more reference.  Whole pages only, each
+        followed by a token of ``tokens``: never the page holding the last token, whose
+        logits the request must compute."""
         pages = []
-        for key in prefix_keys(tokens[:-1], self.shape.page_tokens):
+        for key in prefix_keys(tokens, self.shape.page_tokens):
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
+        pages = pages[: len(pages) // granularity * granularity]
         for page in pages:
             if self._references[page] == 0:
                 del self._evictable[page]
             self._references[page] += 1
         return pages
 
-    def publish(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def publish(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Index the whole pages of ``tokens`` (a prompt whose keys and values ``pages`` now
-        hold, in order) for later requests; returns how many pages it indexed.  A prefix
-        already indexed keeps its first page."""
-        indexed = 0
-        for key, page in zip(prefix_keys(tokens, self.shape.page_tokens), pages):
+        hold, in order) for later requests; returns the indices (into ``pages``) of those it
+        indexed.  A prefix already indexed keeps its first page."""
+        indexed = []
+        for index, (key, page) in enumerate(zip(prefix_keys(tokens, self.shape.page_tokens), pages)):
             if key in self._page_of or page in self._key_of:
                 continue
             self._page_of[key], self._key_of[page] = page, key
-            indexed += 1
+            indexed.append(index)
         return indexed

@@ -85,6 +85,8 @@ class StepEvent:
     """Draft tokens the target accepted in this step's verify (empty on admission)."""
     finished_by: str | None = None
     """``"eos"``, ``"length"`` or ``"aborted"`` when the request ended in this step."""
+    cached_tokens: int | None = None
+    """In the step whose prefill ended the prompt: its leading tokens that cached pages held."""
 
 
 @dataclass
@@ -97,6 +99,9 @@ class RequestOutput:
     """``"eos"``, ``"length"`` or ``"refused"``."""
     error: str | None = None
     """Why the request was refused at admission."""
+    cached_tokens: int = 0
+    """Leading prompt tokens whose keys and values a paged pool's prefix cache held, so the
+    prefill skipped them."""
 
     @property
     def mean_accept_length(self) -> float:
@@ -114,6 +119,8 @@ class _Request:
     row: int | None = None
     fed: int = 0
     """Prompt tokens already prefilled; the request decodes once all are."""
+    cached_tokens: int = 0
+    """Of them, those a paged pool's prefix cache held at admission."""
 
     @property
     def decoding(self) -> bool:

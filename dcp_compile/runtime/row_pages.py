@@ -1,4 +1,5 @@
-"""The engine's side of a paged target: each admitted request holds the pages it may fill.
+"""The engine's side of a paged target: each admitted request holds the pages it may fill,
+and the pages of the prompts before it are reused.
 
 A request is admitted when the pool has the pages for its prompt, its new tokens and the
 verify window (``RequestLimits.check``'s need), so a running request never waits for a
@@ -6,12 +7,29 @@ page and nothing is ever preempted; requests that do not fit now wait in the que
 order.  Pages go back to the pool when the request ends.  Every rank makes the same calls
 in the same order (the engine's plan), so every rank holds the same block table, which is
 copied into the compiled graphs' table after each change.
+
+Prefix caching.  Once a prompt is prefilled, its whole pages are indexed (``PagePool``'s
+hash chain); a later prompt that starts with the same tokens takes those pages and its
+prefill starts after them.  A hit computes what a miss would, bit for bit:
+
+- it is cut to whole prefill chunks (``granularity``), so that every chunk the request
+  does compute starts where a miss's would, and attends over the same slots in the same
+  pieces;
+- a page's key covers the token after it, which the draft's keys at the page's last
+  position read;
+- the draft's cache stays whole, in rows: its keys and values of the indexed pages are
+  copied into a store beside the pool (one entry per pool page, ``P x D`` positions) and
+  back into a hit's row.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import torch
+
+from dcp_compile.records import record_for
 from dcp_compile.runtime.block_tables import BlockTables
 from dcp_compile.runtime.paging import Paging
 from dcp_compile.runtime.pool import PagePool
@@ -23,13 +41,62 @@ def need_tokens(request, k: int) -> int:
     return kv_need(len(request.prompt), request.params.max_new_tokens, k)
 
 
+def draft_caches(draft) -> list[tuple[torch.Tensor, int]]:
+    """A prepared draft's KV caches and their sequence axes."""
+    if draft is None:
+        return []
+    records = ((buffer, record_for(buffer)) for buffer in draft.buffers())
+    return [(buffer, record.seq_dim) for buffer, record in records if record is not None and record.role == "draft"]
+
+
+class DraftPages:
+    """The draft's keys and values of each indexed pool page, kept for the requests that reuse it."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, int]], pages: int, page_tokens: int):
+        self.caches, self.page_tokens = caches, page_tokens
+        self.stores = [torch.empty((pages, page_tokens, *self._seq_first(cache, seq_dim, 0).shape[1:]),
+                                   dtype=cache.dtype, device=cache.device) for cache, seq_dim in caches]
+
+    @staticmethod
+    def _seq_first(cache: torch.Tensor, seq_dim: int, row: int) -> torch.Tensor:
+        return cache[row].movedim(seq_dim - 1, 0)
+
+    def keep(self, row: int, logical: Sequence[int], pages: Sequence[int]) -> None:
+        """Copy ``row``'s logical pages ``logical`` into the store's entries ``pages``."""
+        if not logical or not self.stores:
+            return
+        span = (max(logical) + 1) * self.page_tokens
+        source = torch.tensor(list(logical), device=self.stores[0].device)
+        target = torch.tensor(list(pages), device=source.device)
+        for (cache, seq_dim), store in zip(self.caches, self.stores):
+            by_page = self._seq_first(cache, seq_dim, row)[:span].unflatten(0, (-1, self.page_tokens))
+            store[target] = by_page[source]
+
+    def restore(self, row: int, pages: Sequence[int]) -> None:
+        """Write the store's entries ``pages`` into ``row``'s first positions."""
+        if not pages or not self.stores:
+            return
+        index = torch.tensor(list(pages), device=self.stores[0].device)
+        for (cache, seq_dim), store in zip(self.caches, self.stores):
+            self._seq_first(cache, seq_dim, row)[: len(pages) * self.page_tokens] = store[index].flatten(0, 1)
+
+
 class RowPages:
-    def __init__(self, paging: Paging, max_batch: int, max_seq_len: int):
+    """``prefix_caching``: reuse the pages of earlier prompts (``chunk_size``: the prefill's
+    chunks, which a hit must keep; ``draft``: the prepared draft, whose cache a hit gets too)."""
+
+    def __init__(self, paging: Paging, max_batch: int, max_seq_len: int, *, chunk_size: int,
+                 prefix_caching: bool = False, draft=None):
         self.paging = paging
         self.blocks = BlockTables(PagePool(paging.shape), max_batch, max_seq_len)
         if self.blocks.table.shape != paging.table.shape:
             raise ValueError(f"the engine's block table {tuple(self.blocks.table.shape)} does not match the compiled "
                              f"graphs' {tuple(paging.table.shape)}; use one max_batch and max_seq_len for both")
+        page_tokens = paging.shape.page_tokens
+        self.prefix_caching = prefix_caching
+        self.granularity = math.lcm(page_tokens, chunk_size) // page_tokens
+        """Pages a hit is a multiple of: whole prefill chunks."""
+        self.draft_pages = DraftPages(draft_caches(draft), paging.shape.pages, page_tokens) if prefix_caching else None
 
     @property
     def capacity_tokens(self) -> int:
@@ -46,12 +113,26 @@ class RowPages:
     def available(self) -> int:
         return self.blocks.pool.available
 
-    def admit(self, row: int, prompt: Sequence[int], tokens: int) -> None:
-        """Give ``row`` the pages of ``tokens`` positions; the plan checked that they are free."""
-        if self.blocks.admit(row, prompt, tokens) is None:
+    def admit(self, row: int, prompt: Sequence[int], tokens: int) -> int:
+        """Give ``row`` the pages of ``tokens`` positions (the plan checked that they are free);
+        returns the leading prompt tokens cached pages already hold."""
+        admitted = self.blocks.admit(row, prompt if self.prefix_caching else (), tokens, self.granularity)
+        if admitted is None:
             raise RuntimeError(f"row {row} was planned {self.pages_for(tokens)} pages but the pool has "
                                f"{self.available}: the ranks' plans and pools disagree")
+        if admitted.cached_tokens:
+            cached_pages = admitted.cached_tokens // self.paging.shape.page_tokens
+            self.draft_pages.restore(row, self.blocks.pages_of(row)[:cached_pages])
         self._publish_table()
+        return admitted.cached_tokens
+
+    def prefilled(self, row: int, prompt: Sequence[int]) -> None:
+        """``row`` holds ``prompt``'s keys and values now: index its whole pages."""
+        if not self.prefix_caching:
+            return
+        indexed = self.blocks.publish(row, prompt)
+        pages = self.blocks.pages_of(row)
+        self.draft_pages.keep(row, indexed, [pages[i] for i in indexed])
 
     def release(self, row: int) -> None:
         self.blocks.release(row)

@@ -66,7 +66,7 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
                               lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
                               cuda_graphs=args.cuda_graphs and group.device.type == "cuda",
                               page_size=args.page_size, kv_tokens=args.kv_tokens)
-    return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids), codec
+    return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids, prefix_caching=args.prefix_caching), codec
 
 
 def _warm_up(engine: SpecEngine, codec: Codec) -> None:
@@ -222,6 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "slots a rank, and admit requests by the pages they need (default 0: every row holds --max-seq-len)")
     parser.add_argument("--kv-tokens", type=int, default=0, help="with --page-size: the pool's capacity in tokens over "
                         "the DCP group")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --page-size: reuse the pages of prompt prefixes that earlier requests computed")
     parser.add_argument("--temperature", type=float, default=0.0, help="for requests that give none (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="the shared sampling generator's seed")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)

@@ -11,7 +11,7 @@ step before it there anyway, so the pipes never delay a launch.  Messages in:
 - ``("status", tag)``: answer with the engine's counters (``/health``, ``/metrics``);
 - ``("drain", seconds)``: stop admitting; let running requests finish for ``seconds``.
 
-Out, one list of messages a step: ``("tokens", id, tokens, finished_by)``,
+Out, one list of messages a step: ``("tokens", id, tokens, finished_by, cached_tokens)``,
 ``("refused", id, message)``, ``("status", tag, counters)``, ``("draining",)``, and last
 ``("closed",)`` or ``("failed", message)``.  A failed step (a dead or hung peer) ends the
 loop; a step that runs past ``step_timeout`` ends the process.
@@ -107,7 +107,7 @@ class EngineLoop:
         self._post()  # the last step's tokens and ends first: a request it finished is not aborted
         for engine_id, request_id in list(self.by_engine_id.items()):
             self.engine.abort(engine_id)
-            self.outbox.append(("tokens", request_id, [], "abort"))
+            self.outbox.append(("tokens", request_id, [], "abort", None))
         self.by_id.clear()
         self.by_engine_id.clear()
         while self.engine.has_work():
@@ -218,7 +218,7 @@ class EngineLoop:
             request_id = self.by_engine_id.get(engine_id)
             if request_id is None:
                 continue
-            self.outbox.append(("tokens", request_id, event.tokens, event.finished_by))
+            self.outbox.append(("tokens", request_id, event.tokens, event.finished_by, event.cached_tokens))
             if event.finished_by is not None:
                 del self.by_engine_id[engine_id], self.by_id[request_id]
 
@@ -263,7 +263,8 @@ class EngineLoop:
         pages = self.engine.pages
         if pages is None:
             return {}
-        return {"dcp_kv_pool_capacity_tokens": pages.capacity_tokens, "dcp_kv_pool_used_tokens": pages.used_tokens}
+        return {"dcp_kv_pool_capacity_tokens": pages.capacity_tokens, "dcp_kv_pool_used_tokens": pages.used_tokens,
+                "dcp_prefix_cache_hit_tokens_total": self.engine.stats["prefix_hit_tokens"]}
 
 
 def serve_in_thread(engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0) -> Frontend:

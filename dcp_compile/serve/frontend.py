@@ -141,10 +141,13 @@ class Frontend:
             batch, self._pending = self._pending, []
             batch[0][0].loop.call_soon_threadsafe(_deliver, batch)
 
-    def _on_tokens(self, engine_id: int, tokens: list[int], finished_by: str | None) -> None:
+    def _on_tokens(self, engine_id: int, tokens: list[int], finished_by: str | None,
+                   cached_tokens: int | None = None) -> None:
         completion = self.open.get(engine_id)
         if completion is None or completion.done:
             return
+        if cached_tokens is not None:
+            completion.cached_tokens = cached_tokens
         completion.tokens += len(tokens)
         self.metrics["tokens"] += len(tokens)
         completion.text += completion.decoder.push(tokens)  # the decoder leaves EOS ids out

@@ -46,6 +46,8 @@ class Completion:
     text: str = ""
     sent: int = 0
     tokens: int = 0
+    cached_tokens: int = 0
+    """Leading prompt tokens a paged pool's prefix cache held."""
     done: bool = False
 
     def __post_init__(self):
@@ -54,7 +56,8 @@ class Completion:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.tokens,
-                "total_tokens": len(self.prompt) + self.tokens}
+                "total_tokens": len(self.prompt) + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def _type_error(name: str, expected: str, value) -> BadRequest:

@@ -58,8 +58,8 @@ def test_a_shared_prefix_is_reused_and_counted_as_cached_tokens():
     system = list(range(100, 108))  # two whole pages of 4 tokens
     first = system + [1, 2, 3]
     assert bt.admit(0, first, tokens=len(first) + 2).cached_tokens == 0
-    assert bt.publish(0, first) == 2
-    second = system + [9, 9]
+    assert bt.publish(0, first) == [0, 1]
+    second = system + [1, 9]
     admitted = bt.admit(1, second, tokens=len(second) + 2)
     assert admitted.cached_tokens == 8 and bt.pages_of(1)[:2] == bt.pages_of(0)[:2]
     assert bt.pages_of(1)[2] not in bt.pages_of(0), "the page past the shared prefix is its own"

@@ -9,7 +9,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.passes import GraphPatternError
 from dcp_compile.records import record_for
-from dcp_compile.runtime.engine import SamplingParams, SpecEngine
+from dcp_compile.runtime.engine import RequestOutput, SamplingParams, SpecEngine
 from tests.passes import graphs
 from tests.runtime.test_engine import PROMPTS, run
 from tests.support import FP32_TOLERANCE, agreeing_pair
@@ -87,6 +87,57 @@ def test_a_request_larger_than_the_pool_is_refused_with_both_numbers(decoders):
     refused, served = dcp.generate_all(decoders[1], [[1] * 30, PROMPTS[1]], 40)
     assert refused.finished_by == "refused" and "more than the whole pool's 72" in refused.error
     assert served.finished_by == "length" and len(served.tokens) == 40
+
+
+SYSTEM = [(7 * i + 3) % 29 + 1 for i in range(20)]  # a shared "system prompt": two whole pages of 8 and 4 tokens
+OTHER = [(3 * i + 1) % 31 for i in range(24)]
+
+
+def serve_in_turn(engine, prompts, max_new=12):
+    """Each prompt after the one before it has finished: its tokens, accept counts and cached tokens."""
+    outputs = []
+    for prompt in prompts:
+        rid, out = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new)), RequestOutput()
+        while engine.has_work():
+            event = engine.step().get(rid)
+            if event is not None:
+                out.tokens += event.tokens
+                out.accepted += event.accepted
+                out.cached_tokens = out.cached_tokens if event.cached_tokens is None else event.cached_tokens
+        outputs.append((out.tokens, out.accepted, out.cached_tokens))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """Pages of 8 and prefill chunks of 8, so that a hit may end on any page; a pool of 96 tokens."""
+    return make_decoder(page_size=8, kv_tokens=96, chunk_size=8)
+
+
+def test_a_prefix_hit_gives_the_tokens_and_accept_counts_of_a_miss(chunked):
+    # The second prompt shares nothing, and overwrites the row's draft cache the first left.
+    prompts = [SYSTEM + [30, 31, 2], OTHER, SYSTEM + [5], SYSTEM[:16] + [0, 9, 9], SYSTEM[:8] + [1, 2]]
+    engine = SpecEngine(chunked)
+    hit, miss = serve_in_turn(engine, prompts), serve_in_turn(SpecEngine(chunked, prefix_caching=False), prompts)
+    assert [tokens for tokens, _, _ in hit] == [tokens for tokens, _, _ in miss]
+    assert [accepted for _, accepted, _ in hit] == [accepted for _, accepted, _ in miss], \
+        "the draft's keys of the reused pages are the ones a miss computes"
+    # The third prompt reuses both pages its 17th token follows; the fourth's 17th token
+    # differs from the one the cached second page's draft keys read, so only the first page is
+    # reused; the fifth's token after the first page differs too.
+    assert [cached for _, _, cached in hit] == [0, 0, 16, 8, 0]
+    assert [cached for _, _, cached in miss] == [0] * 5 and engine.stats["prefix_hit_tokens"] == 24
+    assert engine.pages.used_tokens == 0, "cached pages no request holds count as free"
+
+
+def test_cached_pages_are_evicted_under_pressure_and_recomputed(chunked):
+    long = [(5 * i) % 29 + 2 for i in range(70)]  # with its 12 new tokens and window: 11 of the 12 pages
+    prompts = [SYSTEM + [30], long, SYSTEM + [30, 31]]
+    engine = SpecEngine(chunked)
+    pressed, fresh = serve_in_turn(engine, prompts), serve_in_turn(SpecEngine(chunked, prefix_caching=False), prompts)
+    assert [cached for _, _, cached in pressed] == [0, 0, 0], "the long prompt took the system prompt's first page"
+    assert [out[:2] for out in pressed] == [out[:2] for out in fresh]
+    assert serve_in_turn(engine, [SYSTEM + [30, 31]])[0][2] == 16, "served again, it is cached again"
 
 
 def test_paged_memory_is_the_pool_not_the_rows():

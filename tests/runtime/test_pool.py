@@ -31,23 +31,29 @@ def test_pages_are_handed_out_once_and_come_back():
         pool.release(first[:1])
 
 
-def test_keys_name_the_whole_prefix():
+def test_keys_name_the_whole_prefix_and_the_token_after_it():
     a = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     b = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    c = prefix_keys([0, 2, 3, 4, 5, 6, 7, 8], 4)
-    assert len(a) == 2 and a == b, "a partial last page has no key"
-    assert c[1] != b[1], "the second page's key depends on the first page's tokens"
+    c = prefix_keys([0, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    d = prefix_keys([1, 2, 3, 4, 0, 6, 7, 8, 9], 4)
+    assert len(a) == 2 and len(b) == 1 and a[0] == b[0], "a page no token follows has no key"
+    assert c[1] != a[1], "the second page's key depends on the first page's tokens"
+    assert d[0] != a[0], "a page's key depends on the token after it (the draft's keys read it)"
 
 
 def test_a_shared_prefix_reuses_its_pages_and_never_the_last_tokens_page():
     pool = PagePool(PoolShape(page_size=2, dcp_size=2, kv_tokens=40))  # pages of 4 tokens
     prompt = list(range(10, 21))  # 11 tokens: 2 whole pages and 3 tokens
     pages = pool.allocate(3)
-    assert pool.publish(prompt, pages) == 2
+    assert pool.publish(prompt, pages) == [0, 1]
+    assert pool.publish(prompt, pages) == [], "a page is indexed once"
     same = pool.match(prompt)
     assert same == pages[:2] and [pool.references(p) for p in pages[:2]] == [2, 2]
     assert pool.match(prompt[:8]) == pages[:1], "a prompt of exactly 2 pages computes its last page again"
     assert pool.match([99] + prompt[1:]) == [], "a different first token shares nothing"
+    pool.release(same + pool.match(prompt[:8]))
+    assert pool.match(prompt, granularity=2) == pages[:2] and pool.match(prompt[:8], granularity=2) == [], \
+        "a hit is cut to a multiple of the granularity (the prefill's chunks)"
 
 
 def test_cached_pages_no_one_holds_are_evicted_least_recently_used_first():
