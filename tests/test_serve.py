@@ -36,8 +36,9 @@ def server(tmp_path_factory):
 
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    # The target's KV in a pool of 768 tokens, half what the 4 rows of 384 would reserve.
-    process = start_server(port, log, "--page-size", "4", "--kv-tokens", str(2 * MAX_SEQ_LEN))
+    # The target's KV in a pool of 768 tokens, half what the 4 rows of 384 would reserve;
+    # prefill chunks of 64, so that a prefix hit (a multiple of whole chunks) fits a prompt.
+    process = start_server(port, log, "--page-size", "4", "--kv-tokens", str(2 * MAX_SEQ_LEN), "--chunk-size", "64")
     yield dict(url=f"http://127.0.0.1:{port}", process=process, log=log)
     load_test.stop_server(process)
 
@@ -164,6 +165,26 @@ def test_a_client_that_disconnects_frees_its_row(server):
     finished = metric(url, "dcp_tokens_total")
     time.sleep(0.5)
     assert metric(url, "dcp_tokens_total") == finished  # nothing decodes for it any more
+
+
+def test_a_repeated_prompt_reuses_its_cached_pages(server, offline):
+    """Through the official client: the second request's first 64 tokens (one prefill chunk of
+    eight logical pages of 4 x 2 tokens) come from the pool's prefix cache, and its text is
+    the first's and offline generate's."""
+    import openai
+
+    url = server["url"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt = "# read the configuration file and return its sections as a dict of dicts\nimport configpa"
+    hits = metric(url, "dcp_prefix_cache_hit_tokens_total")
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=24)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=24)
+    assert len(prompt) == 88 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    assert metric(url, "dcp_prefix_cache_hit_tokens_total") == hits + 64
+    expected, _ = offline([list(prompt.encode())], [24])[0]
+    assert first.choices[0].text == second.choices[0].text == expected
 
 
 def test_load_64_streaming_requests_from_16_clients(server, offline):
