@@ -67,6 +67,7 @@ def test_serve_rejects_an_admission_window_out_of_range(capsys):
                            "and --kv-tokens 0"),
     (["--page-size", "4", "--kv-tokens", "512", "--max-seq-len", "1024"],
      "--max-seq-len 1024 is more than the pool's --kv-tokens 512"),
+    (["--preemption"], "--preemption grows rows of a paged pool: give --page-size and --kv-tokens too"),
 ])
 def test_serve_rejects_a_pool_that_cannot_hold_a_request(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

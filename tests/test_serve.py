@@ -37,8 +37,10 @@ def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     # The target's KV in a pool of 768 tokens, half what the 4 rows of 384 would reserve;
-    # prefill chunks of 64, so that a prefix hit (a multiple of whole chunks) fits a prompt.
-    process = start_server(port, log, "--page-size", "4", "--kv-tokens", str(2 * MAX_SEQ_LEN), "--chunk-size", "64")
+    # prefill chunks of 64, so that a prefix hit (a multiple of whole chunks) fits a prompt;
+    # rows that grow a page at a time.
+    process = start_server(port, log, "--page-size", "4", "--kv-tokens", str(2 * MAX_SEQ_LEN), "--chunk-size", "64",
+                           "--preemption")
     yield dict(url=f"http://127.0.0.1:{port}", process=process, log=log)
     load_test.stop_server(process)
 
@@ -162,6 +164,7 @@ def test_a_client_that_disconnects_frees_its_row(server):
     assert metric(url, "dcp_requests_running") == 0
     assert metric(url, "dcp_kv_pool_used_tokens") == 0, "its pages went back to the pool"
     assert metric(url, "dcp_kv_pool_capacity_tokens") == 2 * MAX_SEQ_LEN
+    assert metric(url, "dcp_preemptions_total") == 0, "no request ran short of pages"
     finished = metric(url, "dcp_tokens_total")
     time.sleep(0.5)
     assert metric(url, "dcp_tokens_total") == finished  # nothing decodes for it any more
@@ -185,6 +188,23 @@ def test_a_repeated_prompt_reuses_its_cached_pages(server, offline):
     assert metric(url, "dcp_prefix_cache_hit_tokens_total") == hits + 64
     expected, _ = offline([list(prompt.encode())], [24])[0]
     assert first.choices[0].text == second.choices[0].text == expected
+
+
+def test_requests_that_outgrow_the_pool_are_preempted_and_computed_again(server, offline):
+    """Four requests of 250 new tokens need more than the pool's 768 tokens together: rows grow
+    a page at a time, the newest is preempted and recomputed, on both ranks alike, and every
+    text is still offline generate's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = server["url"]
+    prompts = ["def parse(path):\n", "class Stack:\n", "import json\n", "for item in items:\n"]
+    before = metric(url, "dcp_preemptions_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: complete(url, prompt=p, max_tokens=250).json(), prompts))
+    expected = offline([list(p.encode()) for p in prompts], [250] * len(prompts))
+    assert [r["choices"][0]["text"] for r in responses] == [text for text, _ in expected]
+    assert metric(url, "dcp_preemptions_total") > before, "the pool ran short of pages"
+    assert metric(url, "dcp_kv_pool_used_tokens") == 0
 
 
 def test_load_64_streaming_requests_from_16_clients(server, offline):

@@ -115,6 +115,12 @@ class BlockTables:
             raise ValueError(f"none of rows {list(rows)} holds a request")
         return max(held, key=lambda r: self._admitted_at[r])
 
+    def admitted_at(self, row: int) -> int:
+        """When ``row``'s request was admitted (a count of admissions): older first."""
+        if self._admitted_at[row] is None:
+            raise ValueError(f"row {row} holds no request")
+        return self._admitted_at[row]
+
     def pages_of(self, row: int) -> list[int]:
         return list(self._pages[row])
 

@@ -4,17 +4,15 @@
 rows, feeds every row still prefilling its next prompt chunk (``prefill_chunks_per_step``,
 so a long prompt holds the running rows up one chunk a step, not its whole length) and
 runs one speculative step for every row whose prompt is in; ``abort`` frees a row at the
-next step.  Shapes never change: a
-newcomer's prefill is the decoder's ``[max_batch, chunk_size]`` chunk, a step is the
-decoder's step, so arrivals and departures neither recompile nor recapture.
+next step.  Shapes never change: a newcomer's prefill is the decoder's ``[max_batch,
+chunk_size]`` chunk, a step is the decoder's step, so arrivals and departures neither
+recompile nor recapture.  A paged target's rows hold pages of its pool (``row_pages``).
 
 Every rank must take the same decisions.  Two ways to arrange it:
 
 - every rank makes the same calls (``generate_all`` does: SPMD);
-- ``leader=True``: rank 0 alone takes requests and aborts; each ``step`` starts with one
-  fixed-size broadcast from rank 0 saying what the step admits and aborts (then the
-  admitted prompts' tokens), host to host in a gloo group of its own, and the other ranks
-  run ``follow()`` until rank 0 calls ``shutdown()``.
+- ``leader=True``: rank 0 alone takes requests and aborts, and broadcasts each step's
+  plan (``leader_plan``); the other ranks run ``follow()`` until rank 0 calls ``shutdown()``.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -32,7 +30,7 @@ from dcp_compile.runtime.generate import tokens_prefilled
 from dcp_compile.runtime.leader_plan import Plan, broadcast_plan
 from dcp_compile.runtime.request import RequestLimits, RequestOutput, SamplingParams, StepEvent, _Request, cut_at_stop
 from dcp_compile.runtime.spec import SpecDecoder
-from dcp_compile.runtime.row_pages import RowPages, need_tokens
+from dcp_compile.runtime.row_pages import RowPages, reserve_tokens
 from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, start_rows, stop_rows
 
 
@@ -77,8 +75,15 @@ class SpecEngine:
     """
 
     def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1,
-                 stop_ids: frozenset[int] = frozenset(), prefix_caching: bool = True):
+                 stop_ids: frozenset[int] = frozenset(), prefix_caching: bool = True, preemption: bool = False):
         _check_options(decoder, prefill_chunks_per_step, stop_ids)
+        if preemption and decoder.paging is None:
+            raise ValueError("preemption grows a paged target's rows a page at a time, but this decoder has no pool: "
+                             "build it with page_size and kv_tokens, or leave preemption off")
+        self.preemption = preemption
+        """Admit a request by the pages of its prompt and next steps, grow it a page at a time,
+        and preempt the newest request when the pool runs out; off: admit by its whole need."""
+        self._preempted: set[int] = set()  # this step's, not admitted again in it
         self.stop_ids = frozenset(stop_ids)
         """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
         model's EOS ids.  Every rank builds its engine with the same set, so they are
@@ -119,7 +124,7 @@ class SpecEngine:
         it once compilation is behind it, so that a rank that hangs is noticed soon."""
         self.stats = dict(admitted=0, finished=0, aborted=0, tokens=0, verify_steps=0, row_steps=0, accepted=0,
                           step_seconds=0.0, device_step_seconds=0.0, device_wait_seconds=0.0, device_waits=0,
-                          device_long_waits=0, device_long_wait_seconds=0.0, prefix_hit_tokens=0)
+                          device_long_waits=0, device_long_wait_seconds=0.0, prefix_hit_tokens=0, preemptions=0)
         """``step_seconds``: host time in ``step``.  On a GPU, ``device_step_seconds``: the
         steps' time on the device; ``device_wait_seconds``: time the device sat idle between
         two steps queued back to back (``device_waits`` such gaps), waiting for the host to
@@ -194,9 +199,9 @@ class SpecEngine:
         self.pending_aborts.clear()
         free = [row for row in range(self.B) if self.rows[row] is None or row in plan.aborts]
         budget = self.pages.available if self.pages else 0  # pages; the aborted rows' come back next step
-        while self.waiting and free:
+        while self.waiting and free and self.waiting[0].id not in self._preempted:
             if self.pages:  # a paged target admits by the pages a request needs, in order
-                budget -= self.pages.pages_for(need_tokens(self.waiting[0], self.k))
+                budget -= self.pages.pages_for(self._reserve(self.waiting[0]))
                 if budget < 0:
                     break
             request = self.waiting.popleft()
@@ -236,6 +241,39 @@ class SpecEngine:
             self.noise.seed_row(request.row, None)
         self.requests.pop(request.id, None)
 
+    def _reserve(self, request: _Request) -> int:
+        return reserve_tokens(request, self.k, self.preemption)
+
+    def _grow(self) -> None:
+        """Pages for every running request's next step, oldest first; while the pool lacks
+        them, the newest running request is preempted."""
+        for request in sorted(filter(None, self.rows), key=lambda r: self.pages.admitted_at(r.row)):
+            while request.row is not None and not self.pages.grow(request.row, self._reserve(request)):
+                self._preempt(self.rows[self.pages.newest([r.row for r in self.rows if r is not None])])
+
+    def _preempt(self, request: _Request) -> None:
+        """Free ``request``'s row and pages and queue it first, to be computed again from its
+        prompt and the tokens it has emitted (the step in flight's are dropped: the
+        recomputation gives them again)."""
+        self.stats["preemptions"] += 1
+        row, request.row = request.row, None
+        stop_rows(self.state, [row])
+        self.pages.release(row)
+        self.rows[row] = None
+        self.noise.seed_row(row, None)
+        if request.id in self.pending_aborts:  # its client left: it ends at this step
+            self.pending_aborts.discard(request.id)
+            self.aborted_waiting.append(request)
+            return
+        request.prompt, request.fed, request.resumed = request.prompt + request.tokens, 0, True
+        request.params = replace(request.params, max_new_tokens=request.params.max_new_tokens - len(request.tokens))
+        request.tokens = []
+        self._preempted.add(request.id)
+        if self.is_leader:
+            self.waiting.appendleft(request)
+        else:
+            self.requests.pop(request.id, None)
+
     def _live(self) -> list[bool]:
         """Rows decoding (their prompt all prefilled)."""
         return [r is not None and r.decoding for r in self.rows]
@@ -250,10 +288,15 @@ class SpecEngine:
         before it: there it overlaps the device's work instead of delaying the next
         launch.  It must not call the engine."""
         start = time.perf_counter()
+        self._preempted.clear()
+        if self.preemption and self.is_leader:
+            self._grow()
         if self.leader:
             plan = self._broadcast(self._plan() if self.is_leader else None)
         else:
             plan = self._plan()
+        if self.preemption and not self.is_leader:
+            self._grow()  # from the state the leader grew from
         events: dict[int, StepEvent] = {}
         if plan.stop:
             self.stopped = True
@@ -276,7 +319,7 @@ class SpecEngine:
         for request in plan.admits:
             if self.pages:
                 request.cached_tokens = request.fed = self.pages.admit(request.row, request.prompt,
-                                                                        need_tokens(request, self.k))
+                                                                        self._reserve(request))
                 self.stats["prefix_hit_tokens"] += request.cached_tokens
             self.rows[request.row] = request
             self.noise.seed_row(request.row, request.params.seed)
@@ -325,7 +368,8 @@ class SpecEngine:
         started = []
         for request in done:
             event = events.setdefault(request.id, StepEvent())
-            event.cached_tokens = request.cached_tokens
+            if not request.resumed:
+                event.cached_tokens = request.cached_tokens
             self._emit(request, [first[request.row]], event)
             if event.finished_by:
                 self._finish(request)

@@ -121,6 +121,8 @@ class _Request:
     """Prompt tokens already prefilled; the request decodes once all are."""
     cached_tokens: int = 0
     """Of them, those a paged pool's prefix cache held at admission."""
+    resumed: bool = False
+    """Preempted once: ``prompt`` holds the tokens it had emitted, ``params`` the rest of its budget."""
 
     @property
     def decoding(self) -> bool:

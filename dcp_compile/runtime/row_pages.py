@@ -3,8 +3,11 @@ and the pages of the prompts before it are reused.
 
 A request is admitted when the pool has the pages for its prompt, its new tokens and the
 verify window (``RequestLimits.check``'s need), so a running request never waits for a
-page and nothing is ever preempted; requests that do not fit now wait in the queue, in
-order.  Pages go back to the pool when the request ends.  Every rank makes the same calls
+page; requests that do not fit now wait in the queue, in order.  With preemption
+(``SpecEngine(preemption=True)``) a request is admitted by the pages of its prompt and its
+next steps (``reserve_tokens``), its row grows a page at a time, and when the pool runs out
+the newest request is preempted and computed again later.  Pages go back to the pool when
+the request ends.  Every rank makes the same calls
 in the same order (the engine's plan), so every rank holds the same block table, which is
 copied into the compiled graphs' table after each change.
 
@@ -39,6 +42,13 @@ from dcp_compile.runtime.request import kv_need
 def need_tokens(request, k: int) -> int:
     """KV positions ``request`` may fill (``RequestLimits.check``'s need)."""
     return kv_need(len(request.prompt), request.params.max_new_tokens, k)
+
+
+def reserve_tokens(request, k: int, grow: bool) -> int:
+    """KV positions ``request``'s pages must cover: all it may fill, or, for rows that
+    ``grow``, those it holds and what the step in flight and the next may commit."""
+    need = need_tokens(request, k)
+    return need if not grow else min(need, len(request.prompt) + len(request.tokens) + 2 * (k + 1))
 
 
 def draft_caches(draft) -> list[tuple[torch.Tensor, int]]:
@@ -133,6 +143,22 @@ class RowPages:
         indexed = self.blocks.publish(row, prompt)
         pages = self.blocks.pages_of(row)
         self.draft_pages.keep(row, indexed, [pages[i] for i in indexed])
+
+    def grow(self, row: int, tokens: int) -> bool:
+        """Pages for ``row``'s first ``tokens`` positions; ``False``, with nothing taken, if the
+        pool lacks them."""
+        held = len(self.blocks.pages_of(row))
+        if not self.blocks.grow(row, tokens):
+            return False
+        if len(self.blocks.pages_of(row)) != held:
+            self._publish_table()
+        return True
+
+    def admitted_at(self, row: int) -> int:
+        return self.blocks.admitted_at(row)
+
+    def newest(self, rows: Sequence[int]) -> int:
+        return self.blocks.newest(rows)
 
     def release(self, row: int) -> None:
         self.blocks.release(row)

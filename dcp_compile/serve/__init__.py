@@ -66,7 +66,8 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
                               lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
                               cuda_graphs=args.cuda_graphs and group.device.type == "cuda",
                               page_size=args.page_size, kv_tokens=args.kv_tokens)
-    return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids, prefix_caching=args.prefix_caching), codec
+    return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids, prefix_caching=args.prefix_caching,
+                      preemption=args.preemption), codec
 
 
 def _warm_up(engine: SpecEngine, codec: Codec) -> None:
@@ -224,6 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the DCP group")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="with --page-size: reuse the pages of prompt prefixes that earlier requests computed")
+    parser.add_argument("--preemption", action="store_true",
+                        help="with --page-size: admit a request by the pages of its prompt, grow it a page at a time, "
+                             "and preempt (and later recompute) the newest request when the pool runs out; without it "
+                             "a request is admitted by the pages of its whole length")
     parser.add_argument("--temperature", type=float, default=0.0, help="for requests that give none (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="the shared sampling generator's seed")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
@@ -247,6 +252,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.page_size < 0 or args.kv_tokens < 0 or bool(args.page_size) != bool(args.kv_tokens):
         parser.error(f"--page-size and --kv-tokens go together, both >= 1 (or both 0: no pool); got --page-size "
                      f"{args.page_size} and --kv-tokens {args.kv_tokens}")
+    if args.preemption and not args.page_size:
+        parser.error("--preemption grows rows of a paged pool: give --page-size and --kv-tokens too")
     if args.page_size and args.max_seq_len > args.kv_tokens:
         parser.error(f"--max-seq-len {args.max_seq_len} is more than the pool's --kv-tokens {args.kv_tokens}: a request "
                      f"of --max-seq-len tokens could never run. Raise --kv-tokens or lower --max-seq-len")

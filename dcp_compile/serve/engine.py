@@ -264,7 +264,8 @@ class EngineLoop:
         if pages is None:
             return {}
         return {"dcp_kv_pool_capacity_tokens": pages.capacity_tokens, "dcp_kv_pool_used_tokens": pages.used_tokens,
-                "dcp_prefix_cache_hit_tokens_total": self.engine.stats["prefix_hit_tokens"]}
+                "dcp_prefix_cache_hit_tokens_total": self.engine.stats["prefix_hit_tokens"],
+                "dcp_preemptions_total": self.engine.stats["preemptions"]}
 
 
 def serve_in_thread(engine: SpecEngine, *, step_timeout: float, admission_window: float = 0.0) -> Frontend:

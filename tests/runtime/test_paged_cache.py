@@ -75,6 +75,31 @@ def test_requests_wait_for_pages_and_give_the_unpaged_tokens(decoders):
     assert engine.pages.used_tokens == 0 and (engine.pages.blocks.table == engine.pages.blocks.null_page).all()
 
 
+def test_rows_grow_a_page_at_a_time_and_the_newest_request_is_preempted(decoders):
+    """With preemption, three requests of 30 new tokens start in a pool of 9 pages that holds
+    two of them whole: as they grow, the newest is preempted and computed again later, from
+    its prompt and the tokens it had emitted; a preempted request whose client leaves ends."""
+    static, paged = decoders
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
+    arrivals = [(0, p, SamplingParams(max_new_tokens=30)) for p in prompts]
+    expected = run(SpecEngine(static), arrivals)
+    engine = SpecEngine(paged, preemption=True)
+    out = run(engine, arrivals)
+    assert out["tokens"] == expected["tokens"] and out["ends"] == ["length"] * 4
+    assert engine.stats["preemptions"] > 0 and engine.pages.used_tokens == 0
+    engine = SpecEngine(paged, preemption=True)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=30)) for p in prompts[:3]]
+    ends, preempted = {}, None
+    while engine.has_work():
+        ends.update({i: e.finished_by for i, e in engine.step().items() if e.finished_by})
+        if preempted is None and engine.stats["preemptions"]:
+            preempted = next(r.id for r in engine.waiting if r.resumed)
+            assert engine.abort(preempted)
+    assert sorted(ends) == ids and ends[preempted] == "aborted" and list(ends.values()).count("length") == 2
+    with pytest.raises(ValueError, match="preemption grows a paged target's rows"):
+        SpecEngine(static, preemption=True)
+
+
 def test_a_request_larger_than_the_pool_is_refused_with_both_numbers(decoders):
     engine = SpecEngine(decoders[1])
     with pytest.raises(ValueError, match=r"needs 74 tokens of KV, more than the whole pool's 72"):
