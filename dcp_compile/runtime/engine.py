@@ -55,7 +55,10 @@ LONG_WAIT_SECONDS = 100e-6
 """A gap between two steps queued back to back past which the stats count it as a pause."""
 
 
-def _check_options(decoder: SpecDecoder, prefill_chunks_per_step: int | None, stop_ids) -> None:
+def _check_options(decoder: SpecDecoder, prefill_chunks_per_step: int | None, stop_ids, preemption: bool) -> None:
+    if preemption and decoder.paging is None:
+        raise ValueError("preemption grows a paged target's rows a page at a time, but this decoder has no pool: "
+                         "build it with page_size and kv_tokens, or leave preemption off")
     if prefill_chunks_per_step is not None and (not isinstance(prefill_chunks_per_step, int)
                                                 or prefill_chunks_per_step < 1):
         raise ValueError(f"prefill_chunks_per_step must be an int >= 1 or None, got {prefill_chunks_per_step!r}")
@@ -76,13 +79,9 @@ class SpecEngine:
 
     def __init__(self, decoder: SpecDecoder, *, leader: bool = False, prefill_chunks_per_step: int | None = 1,
                  stop_ids: frozenset[int] = frozenset(), prefix_caching: bool = True, preemption: bool = False):
-        _check_options(decoder, prefill_chunks_per_step, stop_ids)
-        if preemption and decoder.paging is None:
-            raise ValueError("preemption grows a paged target's rows a page at a time, but this decoder has no pool: "
-                             "build it with page_size and kv_tokens, or leave preemption off")
+        _check_options(decoder, prefill_chunks_per_step, stop_ids, preemption)
         self.preemption = preemption
-        """Admit a request by the pages of its prompt and next steps, grow it a page at a time,
-        and preempt the newest request when the pool runs out; off: admit by its whole need."""
+        """Rows grow a page at a time, and the newest request is preempted when the pool runs out."""
         self._preempted: set[int] = set()  # this step's, not admitted again in it
         self.stop_ids = frozenset(stop_ids)
         """Token ids that end every request (as its own ``eos_id`` does), e.g. all of a
@@ -201,7 +200,7 @@ class SpecEngine:
         budget = self.pages.available if self.pages else 0  # pages; the aborted rows' come back next step
         while self.waiting and free and self.waiting[0].id not in self._preempted:
             if self.pages:  # a paged target admits by the pages a request needs, in order
-                budget -= self.pages.pages_for(self._reserve(self.waiting[0]))
+                budget -= self.pages.pages_for(reserve_tokens(self.waiting[0], self.k, self.preemption))
                 if budget < 0:
                     break
             request = self.waiting.popleft()
@@ -241,14 +240,11 @@ class SpecEngine:
             self.noise.seed_row(request.row, None)
         self.requests.pop(request.id, None)
 
-    def _reserve(self, request: _Request) -> int:
-        return reserve_tokens(request, self.k, self.preemption)
-
     def _grow(self) -> None:
         """Pages for every running request's next step, oldest first; while the pool lacks
         them, the newest running request is preempted."""
         for request in sorted(filter(None, self.rows), key=lambda r: self.pages.admitted_at(r.row)):
-            while request.row is not None and not self.pages.grow(request.row, self._reserve(request)):
+            while request.row is not None and not self.pages.grow(request.row, reserve_tokens(request, self.k, True)):
                 self._preempt(self.rows[self.pages.newest([r.row for r in self.rows if r is not None])])
 
     def _preempt(self, request: _Request) -> None:
@@ -278,6 +274,17 @@ class SpecEngine:
         """Rows decoding (their prompt all prefilled)."""
         return [r is not None and r.decoding for r in self.rows]
 
+    def _agree_plan(self) -> Plan:
+        """This step's plan, the same on every rank.  With preemption the rows grow first:
+        the leader's before it plans, the others' from the same state once they have its plan."""
+        self._preempted.clear()
+        if self.preemption and self.is_leader:
+            self._grow()
+        plan = self._broadcast(self._plan() if self.is_leader else None) if self.leader else self._plan()
+        if self.preemption and not self.is_leader:
+            self._grow()
+        return plan
+
     @torch.no_grad()
     def step(self, while_running: Callable[[], None] | None = None) -> dict[int, StepEvent]:
         """Apply this step's aborts and admissions, then run one speculative step for the
@@ -288,15 +295,7 @@ class SpecEngine:
         before it: there it overlaps the device's work instead of delaying the next
         launch.  It must not call the engine."""
         start = time.perf_counter()
-        self._preempted.clear()
-        if self.preemption and self.is_leader:
-            self._grow()
-        if self.leader:
-            plan = self._broadcast(self._plan() if self.is_leader else None)
-        else:
-            plan = self._plan()
-        if self.preemption and not self.is_leader:
-            self._grow()  # from the state the leader grew from
+        plan = self._agree_plan()
         events: dict[int, StepEvent] = {}
         if plan.stop:
             self.stopped = True
@@ -318,8 +317,8 @@ class SpecEngine:
             stop_rows(self.state, plan.aborts)
         for request in plan.admits:
             if self.pages:
-                request.cached_tokens = request.fed = self.pages.admit(request.row, request.prompt,
-                                                                        self._reserve(request))
+                request.cached_tokens = request.fed = self.pages.admit(
+                    request.row, request.prompt, reserve_tokens(request, self.k, self.preemption))
                 self.stats["prefix_hit_tokens"] += request.cached_tokens
             self.rows[request.row] = request
             self.noise.seed_row(request.row, request.params.seed)
