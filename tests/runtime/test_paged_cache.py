@@ -133,10 +133,12 @@ def serve_in_turn(engine, prompts, max_new=12):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def chunked():
-    """Pages of 8 and prefill chunks of 8, so that a hit may end on any page; a pool of 96 tokens."""
-    return make_decoder(page_size=8, kv_tokens=96, chunk_size=8)
+@pytest.fixture(scope="module", params=["chain", "tree"])
+def chunked(request):
+    """Pages of 8 and prefill chunks of 8, so that a hit may end on any page; a pool of 96
+    tokens; a chain of 3 drafts, or a tree of 6 nodes, 3 deep (the draft's tree slots past its rows)."""
+    tree = dict(topk=2, draft_tokens=6) if request.param == "tree" else {}
+    return make_decoder(page_size=8, kv_tokens=96, chunk_size=8, **tree)
 
 
 def test_a_prefix_hit_gives_the_tokens_and_accept_counts_of_a_miss(chunked):
