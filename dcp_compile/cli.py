@@ -362,6 +362,7 @@ def _add_train_eval_export(sub) -> None:
     e.add_argument("--prompts", type=int, default=32)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--lowering", choices=("inductor", "aot_eager"), default="aot_eager")
+    _add_pool_arguments(e)
     x = sub.add_parser("export", help="write a pair in the published formats: the target as a transformers "
                                       "LlamaForCausalLM directory (with its tokenizer), the draft as an EAGLE3 "
                                       "checkpoint; or a GGUF model as a plain safetensors Hugging Face directory")
@@ -442,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         args.spec = _resolve_model(parser, args)
     if args.command in ("demo", "gate", "eval", "serve"):
         parallel.check_tp(parser, args, args.spec)
+    if args.command == "eval":
+        _check_pool(parser, args)
     if args.command == "export":
         return export_command(parser, args)
     if args.command == "plan":

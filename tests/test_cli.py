@@ -109,12 +109,13 @@ def test_eval_of_a_tree_names_its_shape_accepts_within_the_depth_and_is_the_same
     histogram = result["accept_histogram"]
     assert len(histogram) == 4 + 1 and sum(histogram) == result["verify_steps"] > 0
     assert 1 <= result["mean_accept_length"] <= 4 + 1
-    # The same measure with the target sharded TP 4 x DCP 2 over spawned ranks: fp32 decoding
-    # is exact, so every step accepts what it accepted on one rank.
+    # The same measure with the target sharded TP 4 x DCP 2 over spawned ranks, its KV in a
+    # pool of pages: fp32 decoding is exact, so every step accepts what it accepted on one rank.
     assert main(["eval", "--tp", "4", "--dcp", "2", "--k", "4", "--topk", "2", "--draft-tokens", "6", "--prompts",
-                 "2", "--max-new-tokens", "16", "--lowering", "aot_eager"]) == 0
+                 "2", "--max-new-tokens", "16", "--lowering", "aot_eager", "--page-size", "4"]) == 0
     sharded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sharded.pop("layout") == "TP 4 x DCP 2" and result.pop("layout") == "DCP 1"
+    assert sharded.pop("kv_pool_tokens") > 0 and "kv_pool_tokens" not in result
     assert sharded == result
 
 

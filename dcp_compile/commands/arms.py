@@ -257,8 +257,8 @@ def _eval_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
     group = parallel.join(args, device)
     result = training.measure_acceptance(
         args.spec, device=device, k=args.k, topk=args.topk, draft_tokens=args.draft_tokens, n_prompts=args.prompts,
-        new_tokens=args.max_new_tokens, lowering=args.lowering, group=group,
-        **chat_prompts.evaluation_prompts(args.spec, args.prompts),
+        new_tokens=args.max_new_tokens, lowering=args.lowering, group=group, page_size=args.page_size,
+        kv_tokens=args.kv_tokens, **chat_prompts.evaluation_prompts(args.spec, args.prompts),
     )
     return dict(result, layout=parallel.describe(group, "DCP {}")) if group.replica_rank == 0 else None
 

@@ -331,6 +331,7 @@ def measure_acceptance(
     model, *, device="cpu", k: int = 4, topk: int = 1, draft_tokens: int | None = None, n_prompts: int = 32,
     prompt_bytes: int = 192, new_tokens: int = 128, batch: int = 16, lowering: str = "aot_eager",
     prompts: list[list[int]] | None = None, prompt_kind: str = "given prompts", stop_ids=(), group=None,
+    page_size: int = 0, kv_tokens: int | None = None,
 ) -> dict:
     """Greedy EAGLE decoding of held-out prompts: mean accept length at depth ``k``,
     drafting the chain or (``topk``, ``draft_tokens``) an EAGLE-2 tree; on one rank, or on
@@ -340,7 +341,8 @@ def measure_acceptance(
     Hugging Face model with its draft: the prompts are the same text through its
     tokenizer; a window of a file has no end, so every request decodes ``new_tokens``).
     ``prompts`` (token ids, described by ``prompt_kind``) replace the held-out files, and
-    ``stop_ids`` end a request: ``draft_training.evaluation_prompts`` gives a chat model's."""
+    ``stop_ids`` end a request: ``draft_training.evaluation_prompts`` gives a chat model's.
+    ``page_size``: the target's KV in a pool of ``kv_tokens`` (default: what the rows hold)."""
     import dcp_compile as dcp
     from dcp_compile.commands import loading, parallel
     from dcp_compile.runtime.tree import default_draft_tokens
@@ -360,16 +362,18 @@ def measure_acceptance(
         group = dcp.DCPGroup(1, 0, device, None)
     parallel.shard(target, group)
     draft_tokens = default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens
+    pool = dict(page_size=page_size, kv_tokens=kv_tokens or batch * max_seq_len) if page_size else {}
     decoder = dcp.SpecDecoder(target, draft, group, k=k, topk=topk, draft_tokens=draft_tokens, max_batch=batch,
-                              max_seq_len=max_seq_len, lowering=lowering)
+                              max_seq_len=max_seq_len, lowering=lowering, **pool)
     accepted = []
     for start in range(0, n_prompts, batch):
         for out in dcp.generate_all(decoder, prompts[start : start + batch], new_tokens, stop_ids=stop_ids):
             accepted += out.accepted
+    paged = {} if decoder.paging is None else dict(kv_pool_tokens=decoder.paging.shape.kv_tokens)
     return dict(k=k, topk=topk, draft_tokens=draft_tokens, prompts=n_prompts, prompt_kind=kind, prompt_bytes=prompt_bytes,
                 new_tokens=new_tokens, verify_steps=len(accepted),
                 mean_accept_length=sum(a + 1 for a in accepted) / len(accepted),
-                accept_histogram=[accepted.count(i) for i in range(k + 1)])
+                accept_histogram=[accepted.count(i) for i in range(k + 1)], **paged)
 
 
 def preset(name: str, **overrides) -> TrainConfig:
