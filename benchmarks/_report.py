@@ -56,6 +56,19 @@ def randomize(model):
     return model
 
 
+def random_llama(cfg, device):
+    """``Llama(cfg)`` with random weights on ``device`` (bf16 on CUDA, fp32 on CPU), built
+    there, its KV caches left on meta for ``dcp.prepare`` to allocate: rows of a pool's
+    ``max_batch x max_seq_len`` would otherwise exist at full size first."""
+    import torch
+
+    from dcp_compile.models import Llama
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return randomize(Llama(cfg, dtype=dtype, device=device, cache_device="meta"))
+
+
 def log(message: str) -> None:
     """A timestamped progress line on stderr (the JSON goes to stdout)."""
     import time

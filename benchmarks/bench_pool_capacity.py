@@ -32,10 +32,10 @@ import time
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.models import Llama, LlamaConfig
+from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-from _report import leave, log, parse_with_watchdog, randomize, report
+from _report import leave, log, parse_with_watchdog, random_llama, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
 
@@ -51,9 +51,7 @@ def run_arm(cfg: LlamaConfig, arm: str, args, lengths: list[int], device) -> dic
     max_seq_len = args.longest + args.new + 1
     rows = args.kv_tokens // max_seq_len if arm == "rows" else args.pool_rows
     pool = dict(page_size=args.page_size, kv_tokens=args.kv_tokens) if arm == "pool" else {}
-    torch.manual_seed(0)
-    model = Llama(dataclasses.replace(cfg, max_batch=rows, max_seq_len=max_seq_len))
-    model = randomize(model).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = random_llama(dataclasses.replace(cfg, max_batch=rows, max_seq_len=max_seq_len), device)
     cuda = device.type == "cuda"
     decoder = dcp.SpecDecoder(model, None, dcp.init_group(device.type), k=0, max_batch=rows, max_seq_len=max_seq_len,
                               lowering="inductor" if cuda else "aot_eager", cuda_graphs=cuda,

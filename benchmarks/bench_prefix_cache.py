@@ -29,10 +29,10 @@ import time
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.models import Llama, LlamaConfig
+from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-from _report import leave, log, parse_with_watchdog, randomize, report
+from _report import leave, log, parse_with_watchdog, random_llama, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
 
@@ -109,9 +109,7 @@ def main() -> None:
         args.max_batch, args.max_seq_len, args.kv_tokens, args.page_size, args.chunk_size = 3, 128, 1024, 8, 16
     cfg = SMALL if args.small else dataclasses.replace(llama3_8b_shape(aux_layers=()), n_layers=args.layers)
     cuda = device.type == "cuda"
-    torch.manual_seed(0)
-    model = Llama(dataclasses.replace(cfg, max_batch=args.max_batch, max_seq_len=args.max_seq_len))
-    model = randomize(model).to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    model = random_llama(dataclasses.replace(cfg, max_batch=args.max_batch, max_seq_len=args.max_seq_len), device)
     decoder = dcp.SpecDecoder(model, None, dcp.init_group(device.type), k=0, max_batch=args.max_batch,
                               max_seq_len=args.max_seq_len, lowering="inductor" if cuda else "aot_eager",
                               cuda_graphs=cuda, chunk_size=args.chunk_size, page_size=args.page_size,
