@@ -96,7 +96,8 @@ def _decoder(args, group, *, max_batch: int, max_seq_len: int):
     from dcp_compile.commands import loading
 
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
-                                 dtype=_dtype(args, group.device), native=parallel.native(args))
+                                 dtype=_dtype(args, group.device), native=parallel.native(args),
+                                 paged=bool(args.page_size))
     parallel.shard(target, group)
     pool = {}
     if args.page_size:

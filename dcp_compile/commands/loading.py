@@ -150,15 +150,17 @@ def _check_draft(draft: Path, config) -> None:
 
 
 def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.device | str = "cpu",
-         dtype: torch.dtype = torch.float32, native: bool = False):
+         dtype: torch.dtype = torch.float32, native: bool = False, paged: bool = False):
     """``(target, draft or None)``, in eval mode, on ``device``, with caches for
     ``max_batch`` rows of ``max_seq_len`` positions.  ``native``: a Hugging Face or GGUF
     Llama as this package's own ``Llama`` (``hf.native``), which ``dcp.tensor_parallel``
-    shards, rather than through transformers."""
+    shards, rather than through transformers.  ``paged``: this package's targets leave their
+    caches on meta for ``dcp.prepare`` to page (their rows never exist whole)."""
     if spec.kind == PAIR:
         from dcp_compile.models.pretrained import load_pair
 
-        return load_pair(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+        return load_pair(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
+                         cache_device="meta" if paged else None)
     from transformers import AutoConfig
 
     from dcp_compile.hf import DCPCausalLM, load_causal_lm
@@ -170,7 +172,7 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
         config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
         aux = () if spec.draft is None else feature_layers(spec.draft, config.get_text_config(decoder=True))
         target = load_llama(spec.path, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux, dtype=dtype,
-                            device=device)
+                            device=device, cache_device="meta" if paged else None)
     else:
         model = load_causal_lm(spec.path, device=device, dtype=dtype)
         aux = () if spec.draft is None else feature_layers(spec.draft, model.config.get_text_config(decoder=True))

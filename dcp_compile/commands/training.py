@@ -357,7 +357,7 @@ def measure_acceptance(
         prompts, kind = prompts[:n_prompts], prompt_kind
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
     target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                                 native=group is not None and group.tp_size > 1)
+                                 native=group is not None and group.tp_size > 1, paged=bool(page_size))
     if group is None:
         group = dcp.DCPGroup(1, 0, device, None)
     parallel.shard(target, group)

@@ -60,9 +60,10 @@ def _read(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_llama(directory, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = (),
-               dtype: torch.dtype = torch.float32, device=None) -> Llama:
+               dtype: torch.dtype = torch.float32, device=None, cache_device=None) -> Llama:
     """The Hugging Face Llama in ``directory`` as ``Llama`` with caches for ``max_batch``
-    rows of ``max_seq_len`` positions, in ``dtype``, in eval mode."""
+    rows of ``max_seq_len`` positions, in ``dtype``, in eval mode, built on ``device``
+    (``cache_device="meta"``: its caches left for ``dcp.prepare`` to allocate)."""
     from transformers import AutoConfig
 
     directory = Path(directory)
@@ -82,9 +83,9 @@ def load_llama(directory, *, max_batch: int, max_seq_len: int, aux_layers: tuple
     if left:
         raise ValueError(f"{directory}: weights Llama has no place for: {', '.join(left[:6])}"
                          f"{' ...' if len(left) > 6 else ''}; {ROUTE}")
-    model = Llama(cfg, dtype=dtype)
+    model = Llama(cfg, dtype=dtype, device=device, cache_device=cache_device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{directory}: the weights do not fill Llama: missing {sorted(missing)[:6]}, unexpected "
                          f"{sorted(unexpected)[:6]}; {ROUTE}")
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)

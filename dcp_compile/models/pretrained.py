@@ -92,9 +92,11 @@ def load_pair(
     max_seq_len: int,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    cache_device: str | torch.device | None = None,
 ) -> tuple[Llama, EagleDraft]:
     """The target and draft of a checkpoint, in eval mode, with caches for
-    ``max_batch`` sequences of ``max_seq_len`` tokens."""
+    ``max_batch`` sequences of ``max_seq_len`` tokens.  ``cache_device="meta"`` leaves the
+    target's caches for ``dcp.prepare`` to allocate (a paged target's never exist whole)."""
     from safetensors.torch import load_file
 
     directory = _resolve(name_or_path)
@@ -103,7 +105,7 @@ def load_pair(
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing from the checkpoint directory")
     cfg, draft_cfg = pair_configs(directory, max_batch=max_batch, max_seq_len=max_seq_len)
-    target, draft = Llama(cfg), EagleDraft(draft_cfg)
+    target, draft = Llama(cfg, dtype=dtype, device=device, cache_device=cache_device), EagleDraft(draft_cfg)
     for model, weights in zip((target, draft), files):
         state = load_file(str(weights))
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -112,4 +114,4 @@ def load_pair(
                 f"{weights} does not match its config.json: missing {sorted(missing)}, unexpected {sorted(unexpected)}; "
                 f"the weights and the config must come from the same training run"
             )
-    return target.to(device=device, dtype=dtype).eval(), draft.to(device=device, dtype=dtype).eval()
+    return target.eval(), draft.to(device=device, dtype=dtype).eval()

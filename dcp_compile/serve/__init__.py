@@ -57,7 +57,7 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
     codec = loading.codec(spec)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if group.device.type == "cuda" else torch.float32)
     target, draft = loading.load(spec, max_batch=args.max_batch, max_seq_len=args.max_seq_len, device=group.device,
-                                 dtype=dtype, native=parallel.native(args))
+                                 dtype=dtype, native=parallel.native(args), paged=bool(args.page_size))
     parallel.shard(target, group)
     lowering = args.lowering or ("inductor" if group.device.type == "cuda" else "aot_eager")
     shape = {"k": args.k, "topk": args.topk, "draft_tokens": args.draft_tokens} if draft is not None else {"k": 0}
