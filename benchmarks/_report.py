@@ -30,6 +30,16 @@ def parse_with_watchdog(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def parse_trace_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options every one-GPU trace benchmark shares (``--seed``, ``--device``, ``--small``,
+    ``--out``), then ``parse_with_watchdog``."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a 2-layer toy and a short trace (to check the script)")
+    parser.add_argument("--out")
+    return parse_with_watchdog(parser)
+
+
 def report(summary: dict | None, path: str | None) -> None:
     """Rank 0 passes its summary (others None); then the process exits with status 0."""
     if summary is not None:

@@ -35,7 +35,7 @@ import dcp_compile as dcp
 from dcp_compile.models import LlamaConfig
 from dcp_compile.models.llama import llama3_8b_shape
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
-from _report import leave, log, parse_with_watchdog, random_llama, report
+from _report import leave, log, parse_trace_arguments, random_llama, report
 
 SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
 
@@ -95,11 +95,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--arms", nargs="+", choices=("rows", "pool"), default=["rows", "pool"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--small", action="store_true", help="a 2-layer toy and a short trace (to check the script)")
-    parser.add_argument("--out")
-    args = parse_with_watchdog(parser)
+    args = parse_trace_arguments(parser)
     device = torch.device(args.device)
     if args.small:
         args.kv_tokens, args.pool_rows, args.requests, args.median = 4 * 300, 8, 12, 48

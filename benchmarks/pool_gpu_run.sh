@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# One GPU, one device call: the paged prefix kernels' GPU tests, the paged flash kernel on a
-# prefill chunk, and the paged target's decode and verify step against the cascade over rows.
-# The capacity run (bench_pool_capacity.py) takes a call of its own.  Logs and JSON go to $OUT.
-#   bash benchmarks/pool_gpu_run.sh
+# One GPU, one device call each (logs and JSON go to $OUT):
+#   bash benchmarks/pool_gpu_run.sh kernels   the paged prefix kernels' GPU tests, the paged flash kernel
+#                                             on a prefill chunk, the paged step against the cascade over rows
+#   bash benchmarks/pool_gpu_run.sh traces    prefix caching on a multi-turn chat trace, then the pool
+#                                             against rows at equal KV bytes on a long-tailed trace
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$OUT/env.txt"
+if [ "${1:-kernels}" = traces ]; then
+  cd benchmarks
+  timeout 240 python3 bench_prefix_cache.py --watchdog 220 --out "$OUT/prefix_cache.json" > "$OUT/prefix_cache.log" 2>&1
+  echo "prefix cache exit $?"; tail -n 4 "$OUT/prefix_cache.log" | cut -c1-600
+  timeout 320 python3 bench_pool_capacity.py --watchdog 300 --out "$OUT/pool_capacity.json" > "$OUT/pool_capacity.log" 2>&1
+  echo "pool capacity exit $?"; tail -n 4 "$OUT/pool_capacity.log" | cut -c1-600
+  exit 0
+fi
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_paged_prefix.py > "$OUT/pytest_gpu.log" 2>&1
 echo "paged gpu tests exit $?"; tail -n 2 "$OUT/pytest_gpu.log"
 timeout 120 python3 benchmarks/bench_paged_tiles.py --flash-tokens 2048 --points 32:8:2:32768 16:1:8:32768 \
