@@ -5,7 +5,7 @@
 #   bash benchmarks/pool_gpu_run.sh traces    prefix caching on a multi-turn chat trace, then the pool
 #                                             against rows at equal KV bytes on a long-tailed trace
 #   bash benchmarks/pool_gpu_run.sh goals     one call for what a short lease allows: the paged step, the
-#                                             capacity trace, then the chat trace, each cut off by its timeout
+#                                             chat trace, then the capacity trace, each cut off by its timeout
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
@@ -14,12 +14,12 @@ mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$OUT/env.txt"
 if [ "${1:-kernels}" = goals ]; then
   cd benchmarks
-  timeout 200 python3 bench_paged_step.py --arms cascade paged --out "$OUT/paged_step.json" > "$OUT/paged_step.log" 2>&1
+  timeout 170 python3 bench_paged_step.py --arms cascade paged --out "$OUT/paged_step.json" > "$OUT/paged_step.log" 2>&1
   echo "paged step exit $?"; tail -n 5 "$OUT/paged_step.log" | cut -c1-700
+  timeout 120 python3 bench_prefix_cache.py --watchdog 110 --out "$OUT/prefix_cache.json" > "$OUT/prefix_cache.log" 2>&1
+  echo "prefix cache exit $?"; tail -n 3 "$OUT/prefix_cache.log" | cut -c1-600
   timeout 230 python3 bench_pool_capacity.py --watchdog 220 --out "$OUT/pool_capacity.json" > "$OUT/pool_capacity.log" 2>&1
   echo "pool capacity exit $?"; tail -n 3 "$OUT/pool_capacity.log" | cut -c1-600
-  timeout 140 python3 bench_prefix_cache.py --watchdog 130 --out "$OUT/prefix_cache.json" > "$OUT/prefix_cache.log" 2>&1
-  echo "prefix cache exit $?"; tail -n 3 "$OUT/prefix_cache.log" | cut -c1-600
   exit 0
 fi
 if [ "${1:-kernels}" = traces ]; then

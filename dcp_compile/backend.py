@@ -39,7 +39,7 @@ from dcp_compile.ops.tree_mask import TreeMarks, strip_tree_positions
 from dcp_compile.passes import draft_passes, find, run_passes, target_passes
 from dcp_compile.passes.check import count_collectives
 from dcp_compile.passes.find import Plan
-from dcp_compile.passes.page_caches import extra_inputs, page_caches
+from dcp_compile.passes.page_caches import extra_inputs, page_caches, static_fakes
 from dcp_compile.passes.pipeline import PassTiming
 from dcp_compile.passes.shard_attention import COMMS, TreeSlots
 from dcp_compile.passes.fx_utils import GraphPatternError, shape_of, where
@@ -185,7 +185,7 @@ class Backend:
         extras = extra_inputs(paged) if paged else []
         if paged:
             passes.append(functools.partial(page_caches, paged=paged))
-            example_inputs = [*example_inputs, *extras]
+            example_inputs = [*example_inputs, *static_fakes(extras)]
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         analysis = time.perf_counter() - started

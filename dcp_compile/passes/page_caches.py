@@ -25,6 +25,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.ops.cascade import cache_BHSD, staging_slots, window_positions
@@ -43,13 +44,21 @@ PAGED_FORMS = MappingProxyType({
 """Each prefix op over a cache, and its form over pools and a block table."""
 
 
+def static_fakes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake tensors of fixed sizes, in the compile's fake mode, for graph inputs no user code
+    made.  Given to the lowering as plain tensors, AOT autograd would give their sizes
+    symbols with no source, which a guard (Inductor's 32-bit indexing check) then cannot name."""
+    fake_mode = detect_fake_mode()
+    return list(tensors) if fake_mode is None else [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
+
+
 def _add_inputs(gm: GraphModule, tensors: dict[str, torch.Tensor]) -> list[Node]:
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     added = []
-    for name, tensor in tensors.items():
+    for (name, tensor), fake in zip(tensors.items(), static_fakes(list(tensors.values()))):
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(name)
-        last.meta["example_value"] = tensor
+        last.meta["example_value"] = fake
         last._dynamo_source = None  # AOT autograd reads each Dynamo input's source; these come from no user code
         added.append(last)
     return added
