@@ -95,16 +95,10 @@ def _decoder(args, group, *, max_batch: int, max_seq_len: int):
     import dcp_compile as dcp
     from dcp_compile.commands import loading
 
+    pool = loading.pool_options(args.page_size, args.kv_tokens, max_batch, max_seq_len)
     target, draft = loading.load(args.spec, max_batch=max_batch, max_seq_len=max_seq_len, device=group.device,
-                                 dtype=_dtype(args, group.device), native=parallel.native(args),
-                                 paged=bool(args.page_size))
+                                 dtype=_dtype(args, group.device), native=parallel.native(args), paged=bool(pool))
     parallel.shard(target, group)
-    pool = {}
-    if args.page_size:
-        pool = dict(page_size=args.page_size, kv_tokens=args.kv_tokens or max_batch * max_seq_len)
-        if pool["kv_tokens"] < max_seq_len:
-            raise ValueError(f"--kv-tokens {pool['kv_tokens']} holds less than one request of these prompts, "
-                             f"{max_seq_len} tokens (the longest prompt, --max-new-tokens and the verify window)")
     return dcp.SpecDecoder(target, draft, group, **_shape(args), max_batch=max_batch, max_seq_len=max_seq_len,
                            temperature=args.temperature, seed=args.seed, lowering=args.lowering,
                            chunk_size=min(args.chunk_size, max_seq_len), **pool)

@@ -182,6 +182,18 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
     return target, EagleDraft.from_pretrained(spec.draft, target, dtype=dtype, device=device).eval()
 
 
+def pool_options(page_size: int, kv_tokens: int | None, max_batch: int, max_seq_len: int) -> dict:
+    """``SpecDecoder``'s ``page_size`` and ``kv_tokens`` for ``--page-size`` / ``--kv-tokens``
+    (``kv_tokens`` by default: what the rows would hold), or none without a page size."""
+    if not page_size:
+        return {}
+    kv_tokens = kv_tokens or max_batch * max_seq_len
+    if kv_tokens < max_seq_len:
+        raise ValueError(f"--kv-tokens {kv_tokens} holds less than one request of these prompts, "
+                         f"{max_seq_len} tokens (the longest prompt, --max-new-tokens and the verify window)")
+    return dict(page_size=page_size, kv_tokens=kv_tokens)
+
+
 def codec(spec: ModelSpec):
     """The text codec of the model: bytes for a pair, the directory's tokenizer (with its
     chat template) for HF and GGUF."""

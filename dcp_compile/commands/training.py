@@ -356,13 +356,13 @@ def measure_acceptance(
     else:
         prompts, kind = prompts[:n_prompts], prompt_kind
     max_seq_len = max(len(p) for p in prompts) + new_tokens + k + 1
+    pool = loading.pool_options(page_size, kv_tokens, batch, max_seq_len)
     target, draft = loading.load(spec, max_batch=batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                                 native=group is not None and group.tp_size > 1, paged=bool(page_size))
+                                 native=group is not None and group.tp_size > 1, paged=bool(pool))
     if group is None:
         group = dcp.DCPGroup(1, 0, device, None)
     parallel.shard(target, group)
     draft_tokens = default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens
-    pool = dict(page_size=page_size, kv_tokens=kv_tokens or batch * max_seq_len) if page_size else {}
     decoder = dcp.SpecDecoder(target, draft, group, k=k, topk=topk, draft_tokens=draft_tokens, max_batch=batch,
                               max_seq_len=max_seq_len, lowering=lowering, **pool)
     accepted = []
