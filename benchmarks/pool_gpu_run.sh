@@ -6,6 +6,7 @@
 #                                             against rows at equal KV bytes on a long-tailed trace
 #   bash benchmarks/pool_gpu_run.sh goals     one call for what a short lease allows: the paged step, the
 #                                             chat trace, then the capacity trace, each cut off by its timeout
+#   bash benchmarks/pool_gpu_run.sh capacity  the capacity trace alone, both arms, with a whole call's time
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
@@ -20,6 +21,12 @@ if [ "${1:-kernels}" = goals ]; then
   echo "prefix cache exit $?"; tail -n 3 "$OUT/prefix_cache.log" | cut -c1-600
   timeout 230 python3 bench_pool_capacity.py --watchdog 220 --out "$OUT/pool_capacity.json" > "$OUT/pool_capacity.log" 2>&1
   echo "pool capacity exit $?"; tail -n 3 "$OUT/pool_capacity.log" | cut -c1-600
+  exit 0
+fi
+if [ "${1:-kernels}" = capacity ]; then
+  cd benchmarks
+  timeout 560 python3 bench_pool_capacity.py --watchdog 550 --out "$OUT/pool_capacity.json" > "$OUT/pool_capacity.log" 2>&1
+  echo "pool capacity exit $?"; tail -n 4 "$OUT/pool_capacity.log" | cut -c1-600
   exit 0
 fi
 if [ "${1:-kernels}" = traces ]; then
