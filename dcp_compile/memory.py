@@ -45,6 +45,12 @@ class CapacityError(ValueError):
     """The requested batch x context does not fit the device at this DCP size."""
 
 
+def step_reserve_bytes(max_batch: int, step_tokens: int, vocab_size: int) -> int:
+    """Memory kept beside the weights and caches for a step's activations: a base, plus
+    the fp32 logits of ``max_batch x step_tokens`` tokens a few times over."""
+    return BASE_RESERVE_BYTES + LOGIT_COPIES * 4 * max_batch * step_tokens * vocab_size
+
+
 def kv_slots(max_seq_len: int, dcp_size: int, interleave: int = 1, verify_tokens: int = 0, tree: bool = False) -> int:
     """Slots per sequence and layer that one rank's target cache holds; ``tree``: its
     verify graphs verify draft trees (laid out as a shard on a group of one too)."""
@@ -164,7 +170,7 @@ class MemoryPlanner:
             weight_bytes=target_weights, tp_size=self.tp_size,
             target_kv_bytes=per_slot * max_batch * slots,
             draft_bytes=draft_bytes,
-            reserve_bytes=BASE_RESERVE_BYTES + LOGIT_COPIES * 4 * max_batch * step * cfg.vocab_size,
+            reserve_bytes=step_reserve_bytes(max_batch, step, cfg.vocab_size),
             budget_bytes=self.budget_bytes,
         )
 

@@ -63,11 +63,14 @@ def test_serve_rejects_an_admission_window_out_of_range(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--page-size", "4"], "--page-size and --kv-tokens go together, both >= 1 (or both 0: no pool); got --page-size 4 "
-                           "and --kv-tokens 0"),
+    (["--page-size", "4"], "--page-size 4 on CPU needs --kv-tokens (the pool's tokens over the DCP group): only a "
+                           "GPU's pool is sized from its free memory"),
+    (["--kv-tokens", "512"], "--page-size must be >= 0, and --kv-tokens >= 0 and given with a --page-size; got "
+                             "--page-size 0 and --kv-tokens 512"),
     (["--page-size", "4", "--kv-tokens", "512", "--max-seq-len", "1024"],
      "--max-seq-len 1024 is more than the pool's --kv-tokens 512"),
-    (["--preemption"], "--preemption grows rows of a paged pool: give --page-size and --kv-tokens too"),
+    (["--preemption"], "--preemption grows rows of a paged pool: give --page-size (and, on CPU, --kv-tokens)"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
 ])
 def test_serve_rejects_a_pool_that_cannot_hold_a_request(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

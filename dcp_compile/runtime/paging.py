@@ -9,7 +9,8 @@ buffer, and one block table for all of the model's caches.  The backend's
 
 ``N`` is the group's capacity in tokens, so each rank's pool holds ``N / D`` of them; a
 logical page spans ``P x D`` token positions and the block table is the same on every
-rank (``runtime.block_tables``).
+rank (``runtime.block_tables``).  Without ``kv_tokens`` on a CUDA device, ``N`` is sized
+from the memory the device has left (``pool_tokens_from_memory``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dcp_compile.group import DCPGroup, gather_from_ranks
 from dcp_compile.layout import KVLayout
+from dcp_compile.memory import BASE_RESERVE_BYTES, CapacityError, GiB
 from dcp_compile.records import PagedKV
 from dcp_compile.runtime.pool import PoolShape
 
@@ -81,3 +84,45 @@ def paged_buffers(shape: list[int], seq_dim: int, dtype: torch.dtype, device, pa
 
 def paged_bytes(paged: PagedKV) -> int:
     return sum(t.numel() * t.element_size() for t in (paged.pool, paged.rows))
+
+
+@dataclass(frozen=True)
+class PoolBudget:
+    """What sizes a pool from a device's memory: ``fraction`` of its total may be in use
+    once the pool is there, with ``reserve_bytes`` of it kept for the steps' activations."""
+
+    fraction: float = 0.9
+    reserve_bytes: int = BASE_RESERVE_BYTES
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"the memory fraction must be in (0, 1], got {self.fraction}")
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
+
+
+def pool_tokens_from_memory(slot_bytes: int, row_bytes: int, page_size: int, layout: KVLayout, group: DCPGroup,
+                            device: torch.device, budget: PoolBudget) -> int:
+    """The largest pool, in tokens over the group, whose pages fit ``budget.fraction`` of
+    the device beside what it holds now (the weights, the draft and its cache), the
+    reserve and every row's own slots (``row_bytes``); ``slot_bytes``: one slot of every
+    cache of the model.  The smallest over the model's ranks, so that all hold the same
+    pages."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"page_size without kv_tokens sizes the pool from a CUDA device's free memory; the model is on {device}. "
+            f"Give kv_tokens= (the pool's tokens over the DCP group)")
+    torch.cuda.empty_cache()  # blocks the allocator keeps but nothing holds are room for pages
+    free, total = torch.cuda.mem_get_info(device)
+    room = int(total * budget.fraction) - (total - free) - budget.reserve_bytes - row_bytes
+    slots = max(room, 0) // slot_bytes // page_size * page_size
+    slots = min(int(t.item()) for t in gather_from_ranks(group, torch.tensor([slots], device=device)))
+    tokens = slots * layout.size
+    if tokens < layout.max_seq_len:
+        raise CapacityError(
+            f"the KV pool would hold {tokens:,} tokens, less than one request of max_seq_len={layout.max_seq_len:,}: "
+            f"{budget.fraction:.2f} of {total / GiB:.1f} GiB, less the {(total - free) / GiB:.1f} GiB in use, the "
+            f"{budget.reserve_bytes / GiB:.1f} GiB reserve and {row_bytes / GiB:.2f} GiB of row slots, leaves "
+            f"{max(room, 0) / GiB:.2f} GiB at {slot_bytes:,} bytes a slot. Lower max_seq_len or max_batch, raise the "
+            f"memory fraction, or shard over more ranks")
+    return tokens

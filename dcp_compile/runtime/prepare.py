@@ -37,7 +37,8 @@ from dcp_compile.passes.find import Plan, find
 from dcp_compile.passes.fx_utils import GraphPatternError
 from dcp_compile.records import ROLES, CacheRecord, record_for, register, register_paged, register_table
 from dcp_compile.runtime.discovery import default_example_inputs, discover, replace_tensor
-from dcp_compile.runtime.paging import Paging, paged_buffers, paged_bytes, paged_shapes, plan_paging
+from dcp_compile.runtime.paging import (Paging, PoolBudget, paged_buffers, paged_bytes, paged_shapes, plan_paging,
+                                        pool_tokens_from_memory)
 from dcp_compile.runtime.peers import check_peers_hold_the_same_kv
 
 
@@ -271,6 +272,24 @@ def _place_caches(model, plan, inputs, owners, layout: KVLayout, role: str, max_
     return placed, kv_bytes
 
 
+def _paging(plan, inputs, layout: KVLayout, max_batch: int, verify_tokens: int, page_size: int,
+            kv_tokens: int | None, group, home, budget: PoolBudget | None) -> Paging | None:
+    """The pool and its block table, or ``None`` without a page size.  A pool sized from
+    ``home``'s free memory counts one slot of every cache, and every row's slots outside
+    the pool (its trash and staging slots)."""
+    if not page_size:
+        return None
+    if not kv_tokens:
+        slot_bytes = 0
+        for cache in plan.caches:
+            tensor = inputs[cache.input_index]
+            slot_bytes += tensor.numel() // (tensor.shape[0] * tensor.shape[cache.seq_dim]) * tensor.element_size()
+        row_slots = layout.local_cache_len + verify_tokens - layout.local_capacity
+        kv_tokens = pool_tokens_from_memory(slot_bytes, max_batch * row_slots * slot_bytes, page_size, layout, group,
+                                            home, budget or PoolBudget())
+    return plan_paging(page_size, kv_tokens, layout, max_batch, home)
+
+
 def _place_paged(placed: list, pending: list, paging: Paging, home, layout: KVLayout, rank: int) -> tuple[list, int]:
     """Each cache as a stand-in of its local shape, its slots in pages (``runtime.paging``)."""
     capacity, allocations = layout.local_capacity, []
@@ -394,7 +413,8 @@ def prepare(
     tree: bool = False,
     tree_slots: int = 0,
     page_size: int = 0,
-    kv_tokens: int = 0,
+    kv_tokens: int | None = None,
+    pool_budget: PoolBudget | None = None,
 ) -> Prepared:
     """Discover ``model``'s KV caches and lay them out for ``role`` on this rank.
 
@@ -410,29 +430,28 @@ def prepare(
         verify_tokens: most new tokens per sequence a verify graph will bring (``k + 1``
             for a chain of ``k`` drafts); a sharded target's caches get that many staging
             slots after the trash slot. 0: no verify graphs.
-        tree: the verify graphs verify draft trees, whose siblings share positions, so
-            even on a group of one their new tokens wait in staging slots for a commit:
-            the caches are laid out as one rank's shard (owner slots, the trash slot,
-            ``verify_tokens`` staging slots) whatever the group's size.
+        tree: the verify graphs verify draft trees, whose siblings share positions, so even
+            a group of one stages their new tokens for a commit: the caches are laid out as one
+            rank's shard (owner slots, the trash slot, ``verify_tokens`` staging slots).
         tree_slots: a draft's cache gets that many slots past ``max_seq_len``, where a draft
             tree's depths keep their nodes for the later ones (``TreeCall(draft, staged=True)``).
-        page_size, kv_tokens: a target's caches in pages of ``page_size`` slots a rank, a
-            pool of ``kv_tokens`` over the group (``runtime.paging``; ``Prepared.paging``).
+        page_size, kv_tokens, pool_budget: a target's caches in pages of ``page_size`` slots
+            a rank, a pool of ``kv_tokens`` over the group (``runtime.paging``); without
+            ``kv_tokens`` (CUDA only), what ``pool_budget`` (0.9 of the device) leaves.
     """
     sharded = _check_arguments(group, role, max_batch, max_seq_len, interleave, verify_tokens, tree, tree_slots,
                                page_size)
     _check_ranks_agree(group, _fingerprint(model, role, max_batch, max_seq_len, interleave, verify_tokens, tree,
-                                           tree_slots, page_size, kv_tokens), role)
+                                           tree_slots, page_size, kv_tokens or 0), role)
     home = _home_device(model)
-    defaulted = example_inputs is None
-    forward_args = tuple(default_example_inputs(model, max_batch, home) if defaulted else example_inputs)
-    gm, inputs, owners, weights = discover(model, forward_args, defaulted, max_batch)
+    forward_args = tuple(default_example_inputs(model, max_batch, home) if example_inputs is None else example_inputs)
+    gm, inputs, owners, weights = discover(model, forward_args, example_inputs is None, max_batch)
     plan = _find_caches(model, gm, sharded)
     if role == "target" and group.size > 1 and group.heads_split:
         check_peers_hold_the_same_kv(group, gm, plan, inputs, weights)
     _refuse_sites(model, plan, tree, page_size)
     layout = KVLayout(group.size, group.rank, max_seq_len, interleave) if sharded else KVLayout(1, 0, max_seq_len, 1)
-    paging = plan_paging(page_size, kv_tokens, layout, max_batch, home) if page_size else None
+    paging = _paging(plan, inputs, layout, max_batch, verify_tokens, page_size, kv_tokens, group, home, pool_budget)
     placed, kv_bytes = _place_caches(model, plan, inputs, owners, layout, role, max_batch, verify_tokens * sharded,
                                      home, group.rank, tree_slots, paging)
     mask_names = _shard_mask_tables(plan, inputs, owners, layout, home) if sharded else []

@@ -40,12 +40,14 @@ from dcp_compile.backend import backend as make_backend
 from dcp_compile.runtime.commit import KVCommit
 from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, prefill_chunks, tokens_prefilled
 from dcp_compile.group import DCPGroup, ranks_that_differ
+from dcp_compile.memory import step_reserve_bytes
+from dcp_compile.runtime.paging import PoolBudget
 from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.inlining import KERNELS
 from dcp_compile.ops.tree_mask import TreeCall
 from dcp_compile.runtime.sampling import (Noise, accept_chain, chain_rule, exponential_draws, fused, probs_at,
                                           propose_rule, row_temperatures, sample_from)
-from dcp_compile.runtime.tree import TreeShape, accept_sampled, default_draft_tokens
+from dcp_compile.runtime.tree import TreeShape, accept_sampled, spec_tree_shape
 from dcp_compile.runtime.state import STOP_IDS_PER_ROW, StepState, finish_and_advance, idle_state
 from dcp_compile.runtime.step_graph import StepGraph, StepParts
 from dcp_compile.runtime.tree_step import TreeStep
@@ -82,12 +84,9 @@ class SpecGraphs:
 
     def __init__(self, target, draft, group: DCPGroup, *, k: int, max_batch: int, max_seq_len: int, lowering: str,
                  comm: str, cuda_graphs: bool, tree: TreeShape | None = None, kernels: str = "inline",
-                 page_size: int = 0, kv_tokens: int = 0):
+                 page_size: int = 0, kv_tokens: int | None = None, memory_fraction: float = 0.9):
         device, verify_tokens = group.device, k + 1 if tree is None else tree.verify_tokens
-        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
-                              tree=tree is not None, verify_tokens=verify_tokens, page_size=page_size,
-                              kv_tokens=kv_tokens).paging
-        if draft is not None:
+        if draft is not None:  # first, so that a pool sized from free memory leaves the draft's cache its room
             draft_example = (
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
                 torch.zeros(max_batch, 1, dtype=torch.long, device=device),
@@ -95,6 +94,10 @@ class SpecGraphs:
             )
             prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example,
                     tree_slots=0 if tree is None else tree.tree_slots)
+        budget = PoolBudget(memory_fraction, step_reserve_bytes(max_batch, verify_tokens, target.vocab_size))
+        self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
+                              tree=tree is not None, verify_tokens=verify_tokens, page_size=page_size,
+                              kv_tokens=kv_tokens, pool_budget=budget).paging
         # Captured steps cannot sync to check positions on the host; admission control
         # already keeps every request inside the cache.
         checked = not cuda_graphs
@@ -369,8 +372,10 @@ class SpecDecoder:
     compiled graph each for the target and the draft), so a prefill's memory is bounded
     by the chunk and a new prompt width never recompiles.  ``page_size`` and
     ``kv_tokens``: the target's caches live in a pool of ``kv_tokens`` tokens over the
-    group, in pages of ``page_size`` slots a rank (``dcp.prepare``); the engine admits a
-    request when the pool has the pages for its whole length, and frees them as it ends.
+    group, in pages of ``page_size`` slots a rank (``dcp.prepare``); without ``kv_tokens``
+    (CUDA), the pool fills ``memory_fraction`` of the device beside the weights, the draft
+    and a reserve for the steps.  The engine admits a request when the pool has the pages
+    it needs, and frees them as it ends.
     """
 
     def __init__(
@@ -394,11 +399,11 @@ class SpecDecoder:
         step_graph: bool | None = None,
         check_ranks: bool = False,
         chunk_size: int | None = None,
-        page_size: int = 0, kv_tokens: int = 0,
+        page_size: int = 0, kv_tokens: int | None = None, memory_fraction: float = 0.9,
     ):
         chunk_size = min(DEFAULT_CHUNK_SIZE, max_seq_len) if chunk_size is None else chunk_size
         check_chunk_size(chunk_size, max_seq_len)
-        shape = self._tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len)
+        shape = spec_tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len)
         if draft is not None:
             self._check_pair(target, draft)
         step_graph, kernels = self._check_options(group, temperature, kernels, cuda_graphs, step_graph, check_ranks)
@@ -415,7 +420,7 @@ class SpecDecoder:
         """The sampler's generators; each ``SpecEngine`` starts them over from ``seed`` (one at a time)."""
         graphs = SpecGraphs(target, draft, group, k=k, max_batch=max_batch, max_seq_len=max_seq_len,
                             lowering=lowering, comm=comm, cuda_graphs=cuda_graphs, tree=shape, kernels=kernels,
-                            page_size=page_size, kv_tokens=kv_tokens)
+                            page_size=page_size, kv_tokens=kv_tokens, memory_fraction=memory_fraction)
         self.graphs, self.paging = graphs, graphs.paging  # the pool's shape and block table, or None
         self.target_backend, self.verify_backend, self.draft_backend = (
             graphs.target_backend, graphs.verify_backend, graphs.draft_backend)
@@ -458,30 +463,6 @@ class SpecDecoder:
         if self.draft is None:
             return 2
         return 4 + (min(self.k - 1, 1) if self.tree_shape is None else self.k - 1)
-
-    @staticmethod
-    def _tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len) -> TreeShape | None:
-        """The draft tree's shape, or ``None`` for a chain; refuses a bad one by name."""
-        if draft is None:
-            if k != 0 or topk != 1 or draft_tokens not in (None, 0) or tree:
-                raise ValueError(f"k={k!r}, topk={topk!r}, draft_tokens={draft_tokens!r} and tree={tree!r} ask for "
-                                 f"draft tokens, which need a draft; without one (draft=None) pass k=0 alone")
-            return None
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"k (the draft depth: draft tokens per step for a chain) must be an int >= 1, got {k!r}")
-        # TreeShape refuses a shape no tree has.
-        shape = TreeShape(k, topk, default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens)
-        chain = topk == 1 and shape.draft_tokens == k
-        if tree is False and not chain:
-            raise ValueError(f"tree=False asks for a chain, but topk={topk} and draft_tokens={shape.draft_tokens} "
-                             f"describe a tree; a chain is topk=1, draft_tokens=k={k}")
-        if chain and not tree:
-            return None
-        if shape.verify_tokens > max_seq_len:
-            raise ValueError(
-                f"a tree of draft_tokens={shape.draft_tokens} verifies {shape.verify_tokens} new tokens per step, more "
-                f"than a cache of max_seq_len={max_seq_len} holds: lower draft_tokens or raise max_seq_len")
-        return shape
 
     @staticmethod
     def _check_pair(target, draft) -> None:

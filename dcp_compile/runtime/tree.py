@@ -435,3 +435,28 @@ def commit_slots(accepted: Accepted) -> tuple[torch.Tensor, torch.Tensor]:
     valid = torch.arange(k + 1, device=slots.device)[None, :] <= accepted.count[:, None]
     last = slots.gather(1, accepted.count[:, None])
     return torch.where(valid, slots, last), valid
+
+
+def spec_tree_shape(draft, k, topk, draft_tokens, tree, max_seq_len) -> TreeShape | None:
+    """``SpecDecoder``'s draft tree shape, or ``None`` for a chain (or no draft); refuses a
+    bad one by name."""
+    if draft is None:
+        if k != 0 or topk != 1 or draft_tokens not in (None, 0) or tree:
+            raise ValueError(f"k={k!r}, topk={topk!r}, draft_tokens={draft_tokens!r} and tree={tree!r} ask for "
+                             f"draft tokens, which need a draft; without one (draft=None) pass k=0 alone")
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k (the draft depth: draft tokens per step for a chain) must be an int >= 1, got {k!r}")
+    # TreeShape refuses a shape no tree has.
+    shape = TreeShape(k, topk, default_draft_tokens(k, topk) if draft_tokens is None else draft_tokens)
+    chain = topk == 1 and shape.draft_tokens == k
+    if tree is False and not chain:
+        raise ValueError(f"tree=False asks for a chain, but topk={topk} and draft_tokens={shape.draft_tokens} "
+                         f"describe a tree; a chain is topk=1, draft_tokens=k={k}")
+    if chain and not tree:
+        return None
+    if shape.verify_tokens > max_seq_len:
+        raise ValueError(
+            f"a tree of draft_tokens={shape.draft_tokens} verifies {shape.verify_tokens} new tokens per step, more "
+            f"than a cache of max_seq_len={max_seq_len} holds: lower draft_tokens or raise max_seq_len")
+    return shape

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile.commands import parallel
+from dcp_compile.runtime.pool import DEFAULT_PAGE_SIZE
 from dcp_compile.runtime.engine import SamplingParams, SpecEngine
 from dcp_compile.serve.engine import EngineLoop
 from dcp_compile.text import Codec
@@ -65,7 +66,12 @@ def _build_engine(args: argparse.Namespace, group) -> tuple[SpecEngine, Codec]:
                               max_seq_len=args.max_seq_len, temperature=args.temperature, seed=args.seed,
                               lowering=lowering, chunk_size=min(args.chunk_size, args.max_seq_len),
                               cuda_graphs=args.cuda_graphs and group.device.type == "cuda",
-                              page_size=args.page_size, kv_tokens=args.kv_tokens)
+                              page_size=args.page_size, kv_tokens=args.kv_tokens or None,
+                              memory_fraction=args.gpu_memory_utilization)
+    if decoder.paging is not None and group.replica_rank == 0:
+        shape = decoder.paging.shape
+        print(f"dcp-compile serve: a KV pool of {shape.kv_tokens:,} tokens over {shape.dcp_size} rank(s), pages of "
+              f"{shape.page_size} slots a rank", file=sys.stderr, flush=True)
     return SpecEngine(decoder, leader=True, stop_ids=codec.eos_ids, prefix_caching=args.prefix_caching,
                       preemption=args.preemption), codec
 
@@ -219,10 +225,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="cache positions per row (default 1024)")
-    parser.add_argument("--page-size", type=int, default=0, help="keep the target's KV in a pool of pages of this many "
-                        "slots a rank, and admit requests by the pages they need (default 0: every row holds --max-seq-len)")
-    parser.add_argument("--kv-tokens", type=int, default=0, help="with --page-size: the pool's capacity in tokens over "
-                        "the DCP group")
+    parser.add_argument("--page-size", type=int, help="keep the target's KV in a pool of pages of this many slots a "
+                        f"rank, and admit requests by the pages they need (default {DEFAULT_PAGE_SIZE} on CUDA, 0 on "
+                        "CPU; 0: every row holds --max-seq-len)")
+    parser.add_argument("--kv-tokens", type=int, default=0, help="the pool's capacity in tokens over the DCP group "
+                        "(default on CUDA: what --gpu-memory-utilization leaves beside the weights, the draft and a "
+                        "reserve; needed on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the fraction of each GPU the weights, the draft, the pool and the reserve may take, when "
+                             "--kv-tokens is not given (default 0.9)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="with --page-size: reuse the pages of prompt prefixes that earlier requests computed")
     parser.add_argument("--preemption", action="store_true",
@@ -249,12 +260,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if args.page_size < 0 or args.kv_tokens < 0 or bool(args.page_size) != bool(args.kv_tokens):
-        parser.error(f"--page-size and --kv-tokens go together, both >= 1 (or both 0: no pool); got --page-size "
-                     f"{args.page_size} and --kv-tokens {args.kv_tokens}")
-    if args.preemption and not args.page_size:
-        parser.error("--preemption grows rows of a paged pool: give --page-size and --kv-tokens too")
-    if args.page_size and args.max_seq_len > args.kv_tokens:
+    _check_pool(parser, args)
+    if args.page_size and args.kv_tokens and args.max_seq_len > args.kv_tokens:
         parser.error(f"--max-seq-len {args.max_seq_len} is more than the pool's --kv-tokens {args.kv_tokens}: a request "
                      f"of --max-seq-len tokens could never run. Raise --kv-tokens or lower --max-seq-len")
     for name in ("drain_seconds", "collective_timeout", "step_timeout"):
@@ -267,6 +274,22 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("`dcp-compile serve` needs the serve extra: pip install 'dcp-compile[serve]'")
+
+
+def _check_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--page-size`` defaults to a pool on CUDA, rows on CPU; a pool on CPU needs its size."""
+    if args.page_size is None:
+        args.page_size = DEFAULT_PAGE_SIZE if args.device == "cuda" else 0
+    if args.page_size < 0 or args.kv_tokens < 0 or (args.kv_tokens and not args.page_size):
+        parser.error(f"--page-size must be >= 0, and --kv-tokens >= 0 and given with a --page-size; got --page-size "
+                     f"{args.page_size} and --kv-tokens {args.kv_tokens}")
+    if args.page_size and not args.kv_tokens and args.device != "cuda":
+        parser.error(f"--page-size {args.page_size} on CPU needs --kv-tokens (the pool's tokens over the DCP group): "
+                     f"only a GPU's pool is sized from its free memory")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.preemption and not args.page_size:
+        parser.error("--preemption grows rows of a paged pool: give --page-size (and, on CPU, --kv-tokens)")
 
 
 def start_in_background(options: list[str], port: int, log_path, start_seconds: float, *, cwd=None):

@@ -184,11 +184,41 @@ def test_paged_memory_is_the_pool_not_the_rows():
     (dict(page_size=3, interleave=2, kv_tokens=96), "does not divide into the layout's blocks of interleave=2"),
     (dict(page_size=8, kv_tokens=4), "kv_tokens=4 is less than one page of 8 tokens"),
     (dict(page_size=-1, kv_tokens=96), "page_size must be a positive int"),
+    (dict(page_size=8), "page_size without kv_tokens sizes the pool from a CUDA device's free memory; the model is on "
+                        "cpu. Give kv_tokens="),
 ])
 def test_bad_pools_are_refused(options, message):
     target, _ = agreeing_pair("eagle3", noise=3.0, max_batch=3)
     with pytest.raises(ValueError, match=message):
         dcp.prepare(target, dcp.init_group("cpu"), "target", max_batch=3, max_seq_len=96, **options)
+
+
+@pytest.mark.gpu
+def test_page_size_alone_sizes_the_pool_from_the_free_memory_on_gpu():
+    """On CUDA a pool without kv_tokens takes what the memory fraction leaves beside the
+    weights, the draft's cache and the steps' reserve (to within the allocator's rounding),
+    and gives the rows' tokens and accept counts."""
+    from dcp_compile.memory import GiB, step_reserve_bytes
+
+    group = dcp.init_group("cuda")
+
+    def decoder(**paging):
+        target, draft = agreeing_pair("eagle3", noise=3.0, max_batch=3)
+        return dcp.SpecDecoder(target.cuda(), draft.cuda(), group, k=3, max_batch=3, max_seq_len=96,
+                               lowering="aot_eager", **paging)
+
+    arrivals = [(0, p, SamplingParams(max_new_tokens=12)) for p in PROMPTS]
+    expected = run(SpecEngine(decoder()), arrivals)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    fraction = (total - free + step_reserve_bytes(3, 4, 32) + GiB) / total  # a pool of about 1 GiB
+    paged = decoder(page_size=8, memory_fraction=fraction)
+    in_use = total - torch.cuda.mem_get_info()[0]
+    ceiling = fraction * total - step_reserve_bytes(3, 4, 32)
+    assert ceiling - 64 * 2**20 <= in_use <= ceiling + 8 * 2**20, (in_use, ceiling)
+    out = run(SpecEngine(paged), arrivals)
+    assert paged.paging.shape.kv_tokens > 3 * 96
+    assert out["tokens"] == expected["tokens"] and out["accepted"] == expected["accepted"]
 
 
 def test_a_draft_or_a_bshd_cache_is_not_paged():
