@@ -78,6 +78,18 @@ def test_serve_rejects_a_pool_that_cannot_hold_a_request(flags, message, capsys)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, need", [("demo", 271), ("eval", 325)])
+def test_a_pool_smaller_than_one_request_is_a_usage_error_on_the_ranks(command, need, capsys):
+    """The longest prompt is known only on the ranks: the refusal still ends the command
+    with status 2 and the numbers, not a rank's traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--dcp", "1", "--page-size", "4", "--kv-tokens", "8", *(["--prompts", "2"] * (command == "eval"))])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert (f"dcp-compile {command}: error: --kv-tokens 8 holds less than one request of these prompts, {need} "
+            f"tokens") in err
+
+
 TREE_REFUSALS = {
     "topk below 1": (("--topk", "0"), "--k 4 --topk 0 --draft-tokens 4: topk must be >= 1, got topk=0"),
     "fewer nodes than the depth": (("--draft-tokens", "3"), "draft_tokens=3 is below the depth k=4"),

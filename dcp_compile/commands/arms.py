@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -234,15 +235,20 @@ def _demo_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:
 
 def _on_ranks(rank_fn, args: argparse.Namespace, timeout: float):
     """``rank_fn(rank, size, args)`` as this torchrun rank, or on ranks spawned here; rank
-    0's result (None on the other ranks under torchrun)."""
-    from dcp_compile.runtime.launch import spawn_ranks
+    0's result (None on the other ranks under torchrun).  Options a rank refuses end the
+    command with status 2 and the message."""
+    from dcp_compile.runtime.launch import UsageError, spawn_ranks
 
-    if "RANK" in os.environ:  # under torchrun: this process is one rank
-        return rank_fn(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
-    ranks = parallel.world_size(args)
-    if args.device == "cuda" and torch.cuda.device_count() < ranks:
-        raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
-    return spawn_ranks(rank_fn, ranks, args, timeout=timeout)[0]
+    try:
+        if "RANK" in os.environ:  # under torchrun: this process is one rank
+            return rank_fn(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1)), args)
+        ranks = parallel.world_size(args)
+        if args.device == "cuda" and torch.cuda.device_count() < ranks:
+            raise SystemExit(f"--dcp {args.dcp} on cuda needs {args.dcp} GPUs, found {torch.cuda.device_count()}")
+        return spawn_ranks(rank_fn, ranks, args, timeout=timeout)[0]
+    except UsageError as error:
+        print(f"dcp-compile {args.command}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _eval_rank(rank: int, size: int, args: argparse.Namespace) -> dict | None:

@@ -189,7 +189,9 @@ def pool_options(page_size: int, kv_tokens: int | None, max_batch: int, max_seq_
         return {}
     kv_tokens = kv_tokens or max_batch * max_seq_len
     if kv_tokens < max_seq_len:
-        raise ValueError(f"--kv-tokens {kv_tokens} holds less than one request of these prompts, "
+        from dcp_compile.runtime.launch import UsageError
+
+        raise UsageError(f"--kv-tokens {kv_tokens} holds less than one request of these prompts, "
                          f"{max_seq_len} tokens (the longest prompt, --max-new-tokens and the verify window)")
     return dict(page_size=page_size, kv_tokens=kv_tokens)
 

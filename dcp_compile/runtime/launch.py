@@ -3,8 +3,8 @@
 Used by ``dcp-compile demo`` when it is not under torchrun, and by the multi-rank
 tests.  Every rank gets the torchrun environment variables, so the function calls
 ``dcp.init_group()`` exactly as it would under torchrun.  A rank's exception is
-re-raised in the parent with its traceback; a rank that hangs is killed after
-``timeout`` seconds.
+re-raised in the parent with its traceback (a ``UsageError`` with its message alone); a
+rank that hangs is killed after ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class UsageError(ValueError):
+    """Options a rank found it cannot run with (known only once it has its prompts or its
+    model): the command reports the message, not a traceback."""
 
 
 def free_port() -> int:
@@ -40,6 +45,8 @@ def _entry(fn, rank: int, size: int, port: int, results, threads: int, args: tup
         buffer = io.BytesIO()
         torch.save(fn(rank, size, *args), buffer)
         results.put((rank, True, buffer.getvalue()))
+    except UsageError as error:
+        results.put((rank, None, str(error)))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,6 +76,8 @@ def spawn_ranks(fn: Callable[..., Any], size: int, *args, timeout: float = 600.0
                 rank, ok, value = results.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"ranks {sorted(set(range(size)) - set(outputs))} gave no result within {timeout:.0f}s") from None
+            if ok is None:
+                raise UsageError(value)
             if not ok:
                 raise RuntimeError(f"rank {rank} of {size} failed:\n{value}")
             outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
