@@ -82,8 +82,9 @@ def test_serve_rejects_a_pool_that_cannot_hold_a_request(flags, message, capsys)
 def test_a_pool_smaller_than_one_request_is_a_usage_error_on_the_ranks(command, need, capsys):
     """The longest prompt is known only on the ranks: the refusal still ends the command
     with status 2 and the numbers, not a rank's traceback."""
+    fewer = ["--prompts", "2"] if command == "eval" else []
     with pytest.raises(SystemExit) as exit_info:
-        main([command, "--dcp", "1", "--page-size", "4", "--kv-tokens", "8", *(["--prompts", "2"] * (command == "eval"))])
+        main([command, "--dcp", "1", "--page-size", "4", "--kv-tokens", "8", *fewer])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert (f"dcp-compile {command}: error: --kv-tokens 8 holds less than one request of these prompts, {need} "
