@@ -17,8 +17,8 @@ CUDA graph:
   stages its tokens and ``KVCommit`` moves them into pages (timed with the verify).
 
 Per context: the decode step (one token a row) and the verify step (``k + 1`` tokens a
-row, plus the commit for the paged arm), medians of ``--reps`` CUDA-event timings of the
-graph's replay; the paged arm's ratio to each other arm; and whether its logits equal the
+row, plus the commit for the paged arm, compiled as ``SpecDecoder`` compiles it, and timed
+alone too), medians of ``--reps`` CUDA-event timings of the graph's replay; the paged arm's ratio to each other arm; and whether its logits equal the
 cascade arm's (the paged kernels read the same keys in the same order).
 """
 
@@ -83,7 +83,9 @@ def build(cfg: LlamaConfig, arm: str, args, context: int, device) -> dict:
                               cascade=arm == "cascade")
         compiled[name] = (torch.compile(model, backend=backend, fullgraph=True, dynamic=False), width)
     commit = KVCommit(model)
-    return dict(compiled=compiled, commit=commit if commit.needed else None, model=model)
+    # As SpecGraphs runs it: compiled with the step's lowering, so its copies fuse.
+    commit_c = torch.compile(commit, backend=lowering, fullgraph=True, dynamic=False) if commit.needed else None
+    return dict(compiled=compiled, commit=commit_c, model=model)
 
 
 def step_calls(built: dict, name: str, context: int, device):
@@ -114,6 +116,11 @@ def measure_arm(cfg, arm: str, args, device, points: dict, logits: dict) -> None
                 points[context][f"{arm}_{name}_ms"] = timer.measure(run, 1) * 1e3
                 points[context]["method"] = method
                 logits[(arm, context, name)] = out["logits"].clone()
+            if built["commit"] is not None:  # the verify's share that is the commit alone
+                start = torch.full((args.batch,), context, device=device, dtype=torch.long)
+                accepted = torch.full((args.batch,), args.k + 1, device=device, dtype=torch.long)
+                run, _ = timer.prepare([lambda: built["commit"](start, accepted)])
+                points[context][f"{arm}_commit_ms"] = timer.measure(run, 1) * 1e3
             log(f"{arm} at {context}: " + json.dumps({k: v for k, v in points[context].items() if k.startswith(arm)}))
 
 
