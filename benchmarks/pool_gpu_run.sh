@@ -42,11 +42,11 @@ if [ -d .serve-wheels ]; then
   python3 -m pip install -q --no-index --target /tmp/site .serve-wheels/*.whl > "$OUT/wheels.log" 2>&1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-(cd benchmarks && timeout 200 python3 bench_paged_step.py --arms cascade paged --watchdog 190 --out "$OUT/paged_step.json") > "$OUT/paged_step.log" 2>&1
+(cd benchmarks && timeout 170 python3 bench_paged_step.py --arms cascade paged --watchdog 160 --out "$OUT/paged_step.json") > "$OUT/paged_step.log" 2>&1
 echo "paged step exit $?"; tail -n 4 "$OUT/paged_step.log" | cut -c1-900
 (cd benchmarks && timeout 150 python3 gpu_serve_pool.py --watchdog 140 --log "$OUT/serve_server.log" --out "$OUT/serve_pool.json") > "$OUT/serve_pool.log" 2>&1
 echo "serve pool exit $?"; tail -n 2 "$OUT/serve_pool.log" | cut -c1-600
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_paged_prefix.py tests/runtime/test_paged_cache.py > "$OUT/pytest_gpu.log" 2>&1
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_paged_cache.py tests/ops/test_paged_prefix.py > "$OUT/pytest_gpu.log" 2>&1
 echo "paged gpu tests exit $?"; tail -n 3 "$OUT/pytest_gpu.log"
 timeout 90 python3 benchmarks/bench_paged_tiles.py --flash-tokens 2048 --points 32:8:2:32768 16:1:8:32768 \
   --out "$OUT/paged_flash.json" > "$OUT/paged_flash.log" 2>&1
