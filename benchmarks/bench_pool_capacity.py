@@ -16,7 +16,8 @@ median of ``--median`` tokens, clipped to ``[--shortest, --longest]``, each aski
 Per arm: wall time from the first step to the last token, generated tokens / s, prompt and
 generated tokens / s, the mean number of requests running per step, and the steps in which a
 request waited while the arm ran fewer requests than its rows (admission stalls: for rows, the
-rows were all taken; for the pool, its pages).  Both arms compile before the clock starts (a
+rows were all taken; for the pool, its pages); where the time went: the steps that fed prompt
+chunks and their seconds, the median decode step, the steps' device time.  Both arms compile before the clock starts (a
 warm-up request).
 """
 
@@ -63,11 +64,18 @@ def run_arm(cfg: LlamaConfig, arm: str, args, lengths: list[int], device) -> dic
     for n in lengths:
         engine.add_request(torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist(),
                            SamplingParams(max_new_tokens=args.new))
-    running, stalls, steps, tokens = [], 0, 0, 0
+    running, stalls, steps, tokens, prefill_steps, prefill_seconds, decode_seconds = [], 0, 0, 0, 0, 0.0, []
     started = time.perf_counter()
     while engine.has_work():
+        prefilling, admitted = any(r is not None and not r.decoding for r in engine.rows), engine.stats["admitted"]
+        began = time.perf_counter()
         for event in engine.step().values():
             tokens += len(event.tokens)
+        took = time.perf_counter() - began
+        prefilling = prefilling or engine.stats["admitted"] > admitted  # a newcomer's prompt is fed in its first step
+        prefill_steps, prefill_seconds = prefill_steps + prefilling, prefill_seconds + took * prefilling
+        if not prefilling:
+            decode_seconds.append(took)
         steps += 1
         running.append(engine.running)
         stalls += bool(engine.waiting) and engine.running < rows
@@ -76,7 +84,12 @@ def run_arm(cfg: LlamaConfig, arm: str, args, lengths: list[int], device) -> dic
     seconds = time.perf_counter() - started
     result = dict(arm=arm, rows=rows, kv_tokens=args.kv_tokens, seconds=seconds, steps=steps, generated=tokens,
                   generated_per_s=tokens / seconds, all_tokens_per_s=(tokens + sum(lengths)) / seconds,
-                  mean_running=sum(running) / len(running), admission_stalls=stalls)
+                  mean_running=sum(running) / len(running), admission_stalls=stalls,
+                  # where the time went: steps that fed prompt chunks (each a [rows, chunk] graph
+                  # however few rows still prefill) and the decode steps between them
+                  prefill_steps=prefill_steps, prefill_step_seconds=prefill_seconds,
+                  decode_step_median_ms=1e3 * sorted(decode_seconds)[len(decode_seconds) // 2] if decode_seconds else None,
+                  device_step_seconds=engine.stats["device_step_seconds"])
     log(f"{arm}: " + json.dumps(result))
     return result
 
