@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -88,7 +89,7 @@ def run_arm(cfg: LlamaConfig, arm: str, args, lengths: list[int], device) -> dic
                   # where the time went: steps that fed prompt chunks (each a [rows, chunk] graph
                   # however few rows still prefill) and the decode steps between them
                   prefill_steps=prefill_steps, prefill_step_seconds=prefill_seconds,
-                  decode_step_median_ms=1e3 * sorted(decode_seconds)[len(decode_seconds) // 2] if decode_seconds else None,
+                  decode_step_median_ms=1e3 * statistics.median(decode_seconds) if decode_seconds else None,
                   device_step_seconds=engine.stats["device_step_seconds"])
     log(f"{arm}: " + json.dumps(result))
     return result
