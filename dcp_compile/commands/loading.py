@@ -154,8 +154,8 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
     """``(target, draft or None)``, in eval mode, on ``device``, with caches for
     ``max_batch`` rows of ``max_seq_len`` positions.  ``native``: a Hugging Face or GGUF
     Llama as this package's own ``Llama`` (``hf.native``), which ``dcp.tensor_parallel``
-    shards, rather than through transformers.  ``paged``: this package's targets leave their
-    caches on meta for ``dcp.prepare`` to page (their rows never exist whole)."""
+    shards, rather than through transformers.  ``paged``: the target leaves its caches on
+    meta for ``dcp.prepare`` to page (their rows never exist whole)."""
     if spec.kind == PAIR:
         from dcp_compile.models.pretrained import load_pair
 
@@ -176,7 +176,8 @@ def load(spec: ModelSpec, *, max_batch: int, max_seq_len: int, device: torch.dev
     else:
         model = load_causal_lm(spec.path, device=device, dtype=dtype)
         aux = () if spec.draft is None else feature_layers(spec.draft, model.config.get_text_config(decoder=True))
-        target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux).eval()
+        target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux,
+                             cache_device="meta" if paged else None).eval()
     if spec.draft is None:
         return target, None
     return target, EagleDraft.from_pretrained(spec.draft, target, dtype=dtype, device=device).eval()

@@ -63,7 +63,8 @@ class DCPCausalLM(nn.Module):
     ``EagleDraft(wrapper.draft_config("eagle3"))`` builds a draft sized for it.
     """
 
-    def __init__(self, model: nn.Module, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = ()):
+    def __init__(self, model: nn.Module, *, max_batch: int, max_seq_len: int, aux_layers: tuple[int, ...] = (),
+                 cache_device=None):
         super().__init__()
         config = _text_config(model.config)
         if config._attn_implementation != "sdpa":
@@ -77,8 +78,10 @@ class DCPCausalLM(nn.Module):
         self.aux_layers = tuple(aux_layers)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         param = next(model.parameters())
+        # cache_device="meta": the caches are left for dcp.prepare to allocate, so that a
+        # paged target's max_batch x max_seq_len rows never exist whole.
         self.cache = DCPStaticCache(config, None, max_batch_size=max_batch, max_cache_len=max_seq_len, dtype=param.dtype,
-                                    device=param.device)
+                                    device=param.device if cache_device is None else cache_device)
         self.kv = self.cache.store
         self._cache_kwarg = cache_kwarg(model)
         self._features: dict[int, torch.Tensor] = {}

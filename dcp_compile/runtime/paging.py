@@ -89,25 +89,30 @@ def paged_bytes(paged: PagedKV) -> int:
 @dataclass(frozen=True)
 class PoolBudget:
     """What sizes a pool from a device's memory: ``fraction`` of its total may be in use
-    once the pool is there, with ``reserve_bytes`` of it kept for the steps' activations."""
+    once the pool is there, with ``reserve_bytes`` of it kept for the steps' activations;
+    ``token_bytes``: what each of the pool's tokens costs every rank beyond the target's
+    pages (the draft's keys and values of an indexed page, kept whole on every rank for
+    prefix hits: ``row_pages.DraftPages``)."""
 
     fraction: float = 0.9
     reserve_bytes: int = BASE_RESERVE_BYTES
+    token_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
             raise ValueError(f"the memory fraction must be in (0, 1], got {self.fraction}")
-        if self.reserve_bytes < 0:
-            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
+        if self.reserve_bytes < 0 or self.token_bytes < 0:
+            raise ValueError(f"reserve_bytes and token_bytes must be >= 0, got {self.reserve_bytes} and "
+                             f"{self.token_bytes}")
 
 
 def pool_tokens_from_memory(slot_bytes: int, row_bytes: int, page_size: int, layout: KVLayout, group: DCPGroup,
                             device: torch.device, budget: PoolBudget) -> int:
-    """The largest pool, in tokens over the group, whose pages fit ``budget.fraction`` of
-    the device beside what it holds now (the weights, the draft and its cache), the
-    reserve and every row's own slots (``row_bytes``); ``slot_bytes``: one slot of every
-    cache of the model.  The smallest over the model's ranks, so that all hold the same
-    pages."""
+    """The largest pool, in tokens over the group, whose pages (and ``budget.token_bytes`` a
+    token) fit ``budget.fraction`` of the device beside what it holds now (the weights, the
+    draft and its cache), the reserve and every row's own slots (``row_bytes``);
+    ``slot_bytes``: one slot of every cache of the model.  The smallest over the model's
+    ranks, so that all hold the same pages."""
     if device.type != "cuda":
         raise ValueError(
             f"page_size without kv_tokens sizes the pool from a CUDA device's free memory; the model is on {device}. "
@@ -115,7 +120,8 @@ def pool_tokens_from_memory(slot_bytes: int, row_bytes: int, page_size: int, lay
     torch.cuda.empty_cache()  # blocks the allocator keeps but nothing holds are room for pages
     free, total = torch.cuda.mem_get_info(device)
     room = int(total * budget.fraction) - (total - free) - budget.reserve_bytes - row_bytes
-    slots = max(room, 0) // slot_bytes // page_size * page_size
+    # A rank's slot holds one of the group's D tokens, and each token costs every rank token_bytes.
+    slots = max(room, 0) // (slot_bytes + layout.size * budget.token_bytes) // page_size * page_size
     slots = min(int(t.item()) for t in gather_from_ranks(group, torch.tensor([slots], device=device)))
     tokens = slots * layout.size
     if tokens < layout.max_seq_len:
@@ -123,6 +129,6 @@ def pool_tokens_from_memory(slot_bytes: int, row_bytes: int, page_size: int, lay
             f"the KV pool would hold {tokens:,} tokens, less than one request of max_seq_len={layout.max_seq_len:,}: "
             f"{budget.fraction:.2f} of {total / GiB:.1f} GiB, less the {(total - free) / GiB:.1f} GiB in use, the "
             f"{budget.reserve_bytes / GiB:.1f} GiB reserve and {row_bytes / GiB:.2f} GiB of row slots, leaves "
-            f"{max(room, 0) / GiB:.2f} GiB at {slot_bytes:,} bytes a slot. Lower max_seq_len or max_batch, raise the "
-            f"memory fraction, or shard over more ranks")
+            f"{max(room, 0) / GiB:.2f} GiB at {slot_bytes:,} bytes a slot and {budget.token_bytes:,} a token. Lower "
+            f"max_seq_len or max_batch, raise the memory fraction, or shard over more ranks")
     return tokens

@@ -59,6 +59,13 @@ def draft_caches(draft) -> list[tuple[torch.Tensor, int]]:
     return [(buffer, record.seq_dim) for buffer, record in records if record is not None and record.role == "draft"]
 
 
+def draft_token_bytes(draft) -> int:
+    """Bytes of one position of every cache of a prepared draft: what ``DraftPages`` keeps
+    per pool token."""
+    return sum(cache.numel() // (cache.shape[0] * cache.shape[seq_dim]) * cache.element_size()
+               for cache, seq_dim in draft_caches(draft))
+
+
 class DraftPages:
     """The draft's keys and values of each indexed pool page, kept for the requests that reuse it."""
 

@@ -42,6 +42,7 @@ from dcp_compile.runtime.generate import DEFAULT_CHUNK_SIZE, check_chunk_size, p
 from dcp_compile.group import DCPGroup, ranks_that_differ
 from dcp_compile.memory import step_reserve_bytes
 from dcp_compile.runtime.paging import PoolBudget
+from dcp_compile.runtime.row_pages import draft_token_bytes
 from dcp_compile.runtime.prepare import prepare
 from dcp_compile.ops.inlining import KERNELS
 from dcp_compile.ops.tree_mask import TreeCall
@@ -94,7 +95,8 @@ class SpecGraphs:
             )
             prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example,
                     tree_slots=0 if tree is None else tree.tree_slots)
-        budget = PoolBudget(memory_fraction, step_reserve_bytes(max_batch, verify_tokens, target.vocab_size))
+        budget = PoolBudget(memory_fraction, step_reserve_bytes(max_batch, verify_tokens, target.vocab_size),
+                            draft_token_bytes(draft))  # charged whether or not the engine caches prefixes
         self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
                               tree=tree is not None, verify_tokens=verify_tokens, page_size=page_size,
                               kv_tokens=kv_tokens, pool_budget=budget).paging

@@ -207,7 +207,8 @@ def gpt_fast_worker(rank, size, steps):
                 generate_py_errors=generate_py_errors, batch_error=batch_error)
 
 
-def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96, family: str = "llama"):
+def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_len: int = 96, family: str = "llama",
+                     cache_device=None):
     """An HF target (wrapped) and an EAGLE3 draft that agree most of the time: the
     construction of ``tests.support.agreeing_pair``, on HF weights.  ``family``:
     ``"llama"``, or ``"deepseek_v3"`` (multi-head latent attention, dense MLPs), whose
@@ -228,7 +229,7 @@ def agreeing_hf_pair(noise: float, seed: int = 0, max_batch: int = 4, max_seq_le
     torch.manual_seed(seed)
     model = init_weights(getattr(transformers, HF_FAMILIES[family] + "ForCausalLM")(config), seed).eval()
     aux = eagle3_aux_layers(n_layers)
-    target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux)
+    target = DCPCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, aux_layers=aux, cache_device=cache_device)
     if family == "llama":
         draft_config = target.draft_config("eagle3", n_features=len(aux))
     else:
@@ -267,7 +268,8 @@ def hf_spec_worker(rank, size, k, max_new_tokens, noise, family="llama"):
 def _hf_spec(group, k, max_new_tokens, noise, family, paging=None):
     from dcp_compile.passes.shard_attention import ALL_GATHER
 
-    target, draft = agreeing_hf_pair(noise, family=family)
+    # A paged target's caches stay on meta until prepare pages them, as `loading.load(paged=True)` leaves them.
+    target, draft = agreeing_hf_pair(noise, family=family, cache_device="meta" if paging else None)
     decoder = dcp.SpecDecoder(target, draft, group, k=k, max_batch=4, max_seq_len=96, lowering="aot_eager",
                               **(paging or {}))
     gen = torch.Generator().manual_seed(1)

@@ -196,8 +196,9 @@ def test_bad_pools_are_refused(options, message):
 @pytest.mark.gpu
 def test_page_size_alone_sizes_the_pool_from_the_free_memory_on_gpu():
     """On CUDA a pool without kv_tokens takes what the memory fraction leaves beside the
-    weights, the draft's cache and the steps' reserve (to within the allocator's rounding),
-    and gives the rows' tokens and accept counts."""
+    weights, the draft's cache and the steps' reserve, counting the engine's store of the
+    draft's keys for prefix hits (to within the allocator's rounding), and gives the rows'
+    tokens and accept counts."""
     from dcp_compile.memory import GiB, step_reserve_bytes
 
     group = dcp.init_group("cuda")
@@ -213,10 +214,12 @@ def test_page_size_alone_sizes_the_pool_from_the_free_memory_on_gpu():
     free, total = torch.cuda.mem_get_info()
     fraction = (total - free + step_reserve_bytes(3, 4, 32) + GiB) / total  # a pool of about 1 GiB
     paged = decoder(page_size=8, memory_fraction=fraction)
+    engine = SpecEngine(paged)  # prefix caching: the draft's store of indexed pages, a token's worth per pool token
+    assert engine.pages.draft_pages is not None
     in_use = total - torch.cuda.mem_get_info()[0]
     ceiling = fraction * total - step_reserve_bytes(3, 4, 32)
     assert ceiling - 64 * 2**20 <= in_use <= ceiling + 8 * 2**20, (in_use, ceiling)
-    out = run(SpecEngine(paged), arrivals)
+    out = run(engine, arrivals)
     assert paged.paging.shape.kv_tokens > 3 * 96
     assert out["tokens"] == expected["tokens"] and out["accepted"] == expected["accepted"]
 
