@@ -75,6 +75,13 @@ class SpecDraft(Protocol):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
 
+def _pool_budget(target, draft, max_batch: int, verify_tokens: int, memory_fraction: float) -> PoolBudget:
+    """A pool sized from free memory keeps the planner's reserve for a step, and charges each
+    token the draft's store of indexed pages, whether or not the engine caches prefixes."""
+    reserve = step_reserve_bytes(max_batch, verify_tokens, target.vocab_size)
+    return PoolBudget(memory_fraction, reserve, draft_token_bytes(draft))
+
+
 class SpecGraphs:
     """Prepares the target (sharded) and the draft (whole) and compiles the step graphs,
     each with its role fixed: target prefill chunk and verify, the commit, the draft's
@@ -95,11 +102,10 @@ class SpecGraphs:
             )
             prepare(draft, group, "draft", max_batch=max_batch, max_seq_len=max_seq_len, example_inputs=draft_example,
                     tree_slots=0 if tree is None else tree.tree_slots)
-        budget = PoolBudget(memory_fraction, step_reserve_bytes(max_batch, verify_tokens, target.vocab_size),
-                            draft_token_bytes(draft))  # charged whether or not the engine caches prefixes
         self.paging = prepare(target, group, "target", max_batch=max_batch, max_seq_len=max_seq_len,
                               tree=tree is not None, verify_tokens=verify_tokens, page_size=page_size,
-                              kv_tokens=kv_tokens, pool_budget=budget).paging
+                              kv_tokens=kv_tokens,
+                              pool_budget=_pool_budget(target, draft, max_batch, verify_tokens, memory_fraction)).paging
         # Captured steps cannot sync to check positions on the host; admission control
         # already keeps every request inside the cache.
         checked = not cuda_graphs
